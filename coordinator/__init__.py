@@ -1,0 +1,1 @@
+"""The coordinator: the single writer of pool state (leader lease, decide, effects)."""

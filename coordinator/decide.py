@@ -1,0 +1,233 @@
+"""The pure part of the coordinator: given one snapshot of the pool, what should happen.
+
+No Redis, no clock (``Snapshot.now`` is given), no side effects: every rule of DESIGN.md §4 that
+picks a victim or admits a load lives here and is unit-tested with plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from residency.states import OCCUPYING, ModelState
+
+STANDARD = "standard"
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    type: str  # "llm" | "embedding"
+    state: ModelState
+    token: str = ""
+    pinned: bool = False
+    queued: int = 0
+    in_flight: int = 0
+    last_used: float = 0.0
+    demand_since: float | None = None  # submit time of the oldest queued request
+    host: str | None = None
+    device: str | None = None
+    registered: bool = True
+    loading_since: float | None = None
+    pool: str = STANDARD
+    explicit: str | None = None  # "load" | "unload" asked through the admin API
+
+    @property
+    def busy(self) -> bool:
+        return self.queued > 0 or self.in_flight > 0
+
+    @property
+    def occupying(self) -> bool:
+        return self.state in OCCUPYING
+
+    @property
+    def wants_load(self) -> bool:
+        return self.queued > 0 or self.explicit == "load"
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    host: str
+    devices: tuple[str, ...]
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    models: dict[str, ModelView]
+    workers: dict[str, WorkerView]
+    limits: dict[str, int]  # effective limit per model type; -1 = unlimited
+    now: float
+    load_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Load:
+    model: str
+    host: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    model: str
+    token: str
+    reason: str  # "lru" (to admit a load) | "limit" (over the limit) | "deleted" | "admin"
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Answer the model's queued requests with an error (nothing can make room)."""
+
+    model: str
+    code: str  # "slots_pinned"
+
+
+@dataclass(frozen=True)
+class Reap:
+    """The model's process or host is gone or stuck: hand its work back and clear its state."""
+
+    model: str
+    token: str
+    reason: str  # "host_gone" | "load_timeout"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do now for this model; recorded so the decision can be logged and tested."""
+
+    model: str
+    reason: str  # "no_worker" | "slot_draining" | "evicting" | "all_busy"
+
+
+Action = Load | Evict | Reject | Reap | Wait
+
+
+def effective_limit(configured: int, autosize: bool, floor: int) -> int:
+    """DESIGN §4 rule 3: autosize raises the LLM limit to the candidate floor; -1 stays -1."""
+    if configured == -1:
+        return -1
+    return max(configured, floor) if autosize else configured
+
+
+def lru_victims(models: Iterable[ModelView]) -> list[ModelView]:
+    """Evictable residents, least recently used first: ready, idle and unpinned only."""
+    ok = [m for m in models if m.state is ModelState.READY and not m.busy and not m.pinned]
+    return sorted(ok, key=lambda m: (m.last_used, m.name))
+
+
+@dataclass
+class _Placement:
+    """Counts of occupying models per host and device, updated as loads are planned."""
+
+    per_host: dict[str, int] = field(default_factory=dict)
+    per_device: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def add(self, host: str, device: str) -> None:
+        self.per_host[host] = self.per_host.get(host, 0) + 1
+        self.per_device[(host, device)] = self.per_device.get((host, device), 0) + 1
+
+    def choose(self, workers: Iterable[WorkerView]) -> tuple[str, str] | None:
+        alive = [w for w in workers if w.alive and w.devices]
+        if not alive:
+            return None
+        w = min(alive, key=lambda w: (self.per_host.get(w.host, 0), w.host))
+        dev = min(w.devices, key=lambda d: (self.per_device.get((w.host, d), 0), d))
+        return w.host, dev
+
+
+def decide(snap: Snapshot) -> list[Action]:
+    actions: list[Action] = []
+    placement = _Placement()
+    alive_hosts = {h for h, w in snap.workers.items() if w.alive}
+    live: dict[str, ModelView] = {}
+
+    for m in snap.models.values():
+        if not m.occupying:
+            continue
+        if m.host is not None and m.host not in alive_hosts:
+            actions.append(Reap(m.name, m.token, "host_gone"))
+            continue
+        if (
+            m.state is ModelState.LOADING
+            and m.loading_since is not None
+            and snap.now - m.loading_since > snap.load_timeout_s
+        ):
+            actions.append(Reap(m.name, m.token, "load_timeout"))
+            continue
+        live[m.name] = m
+        if m.host is not None and m.device is not None:
+            placement.add(m.host, m.device)
+
+    for m in lru_victims(v for v in live.values() if not v.registered):
+        actions.append(Evict(m.name, m.token, "deleted"))
+    # An explicit admin unload may take a pinned model too; a busy one waits until idle.
+    for m in live.values():
+        if m.explicit == "unload" and m.registered and m.state is ModelState.READY and not m.busy:
+            actions.append(Evict(m.name, m.token, "admin"))
+    evicting = {a.model for a in actions if isinstance(a, Evict)}
+
+    types = sorted({m.type for m in snap.models.values()})
+    for typ in types:
+        actions += _decide_pool(snap, typ, live, evicting, placement)
+    return actions
+
+
+def _decide_pool(
+    snap: Snapshot,
+    typ: str,
+    live: dict[str, ModelView],
+    evicting: set[str],
+    placement: _Placement,
+) -> list[Action]:
+    out: list[Action] = []
+    limit = snap.limits.get(typ, 1)
+    occupying = [m for m in live.values() if m.type == typ and m.pool == STANDARD]
+    wanted = sorted(
+        (
+            m
+            for m in snap.models.values()
+            if m.type == typ
+            and m.pool == STANDARD
+            and m.registered
+            and m.wants_load
+            and m.explicit != "unload"
+            and m.state in (ModelState.UNLOADED, ModelState.FAILED)
+        ),
+        key=lambda m: (m.demand_since if m.demand_since is not None else snap.now, m.name),
+    )
+    # Slots already on their way out (draining, or chosen above because deleted) are counted
+    # as freeing: a wanted model waits for one rather than evicting another resident.
+    freeing = sum(1 for m in occupying if m.state is ModelState.DRAINING or m.name in evicting)
+    free = len(wanted) if limit == -1 else limit - len(occupying)
+    victims = [v for v in lru_victims(occupying) if v.name not in evicting]
+
+    for w in wanted:
+        if free > 0:
+            where = placement.choose(snap.workers.values())
+            if where is None:
+                out.append(Wait(w.name, "no_worker"))
+                continue
+            out.append(Load(w.name, *where))
+            placement.add(*where)
+            free -= 1
+        elif freeing > 0:
+            freeing -= 1
+            out.append(Wait(w.name, "slot_draining"))
+        elif victims:
+            v = victims.pop(0)
+            out.append(Evict(v.name, v.token, "lru"))
+            out.append(Wait(w.name, "evicting"))
+        elif occupying and all(m.pinned for m in occupying):
+            out.append(Reject(w.name, "slots_pinned"))
+        else:
+            out.append(Wait(w.name, "all_busy"))
+
+    # Rule 4: a pool above its limit (the limit dropped) shrinks all the way, idle LRU first.
+    if limit != -1:
+        over = len(occupying) - freeing - limit
+        while over > 0 and victims:
+            v = victims.pop(0)
+            out.append(Evict(v.name, v.token, "limit"))
+            over -= 1
+    return out

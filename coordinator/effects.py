@@ -1,0 +1,163 @@
+"""Carry out the decisions of ``coordinator.decide`` against Redis.
+
+Each effect is one Lua script (state change and the command it implies commit together),
+fenced by the leader lease token; logging and metrics follow the commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+
+import redis
+
+from coordinator.decide import Action, Evict, Load, Reap, Reject, Snapshot, Wait
+from residency import errors, keys, metrics, registry, work
+from residency.lua import Scripts
+from residency.settings import Settings
+from residency.states import ModelState
+
+log = logging.getLogger("residency.coordinator")
+
+
+class Effects:
+    def __init__(self, r: redis.Redis, scripts: Scripts, lease_token: str) -> None:
+        self.r = r
+        self.scripts = scripts
+        self.lease_token = lease_token
+        self._last_waits: dict[str, str] = {}
+
+    def apply(
+        self,
+        actions: Iterable[Action],
+        snap: Snapshot,
+        model_hashes: dict[str, dict[str, str]],
+        s: Settings,
+    ) -> int:
+        """Returns how many actions changed something (so the caller can re-read and re-plan)."""
+        changed = 0
+        waits: dict[str, str] = {}
+        for a in actions:
+            if isinstance(a, Wait):
+                waits[a.model] = a.reason
+                continue
+            try:
+                changed += self._apply_one(a, snap, model_hashes, s)
+            except redis.RedisError:
+                raise
+            except Exception:
+                # One bad action (a registry entry that vanished…) must not stop the others.
+                log.exception("action %s failed", a)
+        for model, reason in waits.items():
+            if self._last_waits.get(model) != reason:
+                log.info("%s waits: %s", model, reason)
+        self._last_waits = waits
+        return changed
+
+    def _apply_one(
+        self, a: Action, snap: Snapshot, model_hashes: dict[str, dict[str, str]], s: Settings
+    ) -> int:
+        if isinstance(a, Load):
+            return self.load(a, s)
+        if isinstance(a, Evict):
+            loaded_at = model_hashes.get(a.model, {}).get("loaded_at")
+            return self.evict(a, snap.now, float(loaded_at) if loaded_at else None)
+        if isinstance(a, Reject):
+            pool = snap.models[a.model].type
+            n = work.fail_queued(self.r, a.model, errors.slots_pinned(a.model, pool))
+            self.r.hdel(keys.explicit(), a.model)
+            log.warning("rejected %d request(s) for %s: %s", n, a.model, a.code)
+            return 0
+        if isinstance(a, Reap):
+            return self.reap(a, snap.models[a.model].state)
+        return 0
+
+    def load(self, a: Load, s: Settings) -> int:
+        entry = registry.get(self.r, a.model)
+        if entry is None:
+            return 0
+        token = uuid.uuid4().hex
+        command = {
+            "op": "load",
+            "model": a.model,
+            "token": token,
+            "device": a.device,
+            "spec": entry.spec.model_dump(),
+            "fault_injection": s.debug.fault_injection,
+        }
+        ok, prev = self.scripts.start_load(
+            a.model,
+            token=token,
+            host=a.host,
+            device=a.device,
+            now=time.time(),
+            command=command,
+            lease=self.lease_token,
+        )
+        if not ok:
+            log.info("load of %s not started: state is %s", a.model, prev)
+            return 0
+        self.r.hdel(keys.explicit(), a.model)
+        log.info("loading %s on %s/%s", a.model, a.host, a.device)
+        return 1
+
+    def evict(self, a: Evict, now: float, loaded_at: float | None) -> int:
+        res = self.scripts.begin_drain(
+            a.model,
+            token=a.token,
+            control={"op": "unload", "token": a.token, "reason": a.reason},
+            now=now,
+            lease=self.lease_token,
+        )
+        if res != "ok":
+            log.info("eviction of %s (%s) refused: %s", a.model, a.reason, res)
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        if a.reason == "admin":
+            pipe.hdel(keys.explicit(), a.model)
+        metrics.inc(pipe, metrics.EVICTIONS_TOTAL, {"reason": a.reason})
+        if loaded_at is not None:
+            metrics.observe(pipe, metrics.AGE_AT_EVICTION, {"model": a.model}, now - loaded_at)
+        pipe.execute()
+        log.info("evicting %s (%s)", a.model, a.reason)
+        return 1
+
+    def reap(self, a: Reap, state: ModelState) -> int:
+        dst = ModelState.FAILED if state is ModelState.LOADING else ModelState.UNLOADED
+        ok, _ = self.scripts.transition(
+            a.model,
+            dst,
+            token=a.token,
+            fields={"error": a.reason, "pid": None, "host": None, "device": None},
+        )
+        if not ok:
+            return 0
+        work.hand_back(self.r, self.scripts, a.model, a.reason)
+        if dst is ModelState.FAILED:
+            work.fail_queued(self.r, a.model, load_failed(a.model, a.reason))
+        log.warning("reaped %s: %s", a.model, a.reason)
+        return 1
+
+
+def load_failed(model: str, reason: str) -> errors.ApiError:
+    return errors.ApiError(
+        500,
+        f"model '{model}' failed to load: {reason}",
+        type="server_error",
+        code="model_load_failed",
+    )
+
+
+def clear_stale_explicit(r: redis.Redis, snap: Snapshot) -> None:
+    """Drop explicit load/unload requests that are already true (or whose model is gone)."""
+    stale = [
+        name
+        for name, m in snap.models.items()
+        if (m.explicit == "load" and m.occupying)
+        or (m.explicit == "unload" and not m.occupying)
+        or (m.explicit and not m.registered)
+    ]
+    if stale:
+        r.hdel(keys.explicit(), *stale)

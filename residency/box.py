@@ -1,0 +1,161 @@
+"""Where a box lives and how every role reaches its settings and its Redis.
+
+``Box`` is what each process builds first: data dir, config file, Redis URL, admin key. The
+effective settings are computed from the config file, the environment and the admin layer in
+Redis (``load_settings``), and admin changes are written through ``ConfigStore`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+
+from residency import keys, settings
+from residency.messages import Event, EventType
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "residency"
+
+
+@dataclass
+class Box:
+    data_dir: Path
+    config_path: Path | None
+    redis_url: str | None
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        data_dir: str | None = None,
+        config: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Box:
+        env = dict(os.environ if environ is None else environ)
+        dd = Path(data_dir or env.get("RESIDENCY_DATA_DIR") or default_data_dir()).resolve()
+        cfg = config or env.get("RESIDENCY_CONFIG") or None
+        return cls(
+            data_dir=dd,
+            config_path=Path(cfg).resolve() if cfg else None,
+            redis_url=env.get("RESIDENCY_REDIS_URL") or None,
+            environ=env,
+        )
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def admin_key_path(self) -> Path:
+        return self.data_dir / "admin.key"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.data_dir / "redis"
+
+    @property
+    def redis_socket(self) -> Path:
+        return self.redis_dir / "redis.sock"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.data_dir / "prometheus"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    def file_layer(self) -> dict[str, Any]:
+        return settings.read_file(self.config_path) if self.config_path else {}
+
+    def base_settings(self) -> settings.Settings:
+        """File and environment only: what a process validates before it touches Redis."""
+        return settings.build(
+            self.file_layer(), settings.env_layer(self.environ), origin=str(self.config_path or "")
+        )
+
+    def redis(self) -> redis.Redis:
+        if not self.redis_url:
+            raise RuntimeError("no Redis URL: set RESIDENCY_REDIS_URL or use `residency up`")
+        return connect(self.redis_url)
+
+    def admin_key(self, *, create: bool = False) -> str:
+        """RESIDENCY_ADMIN_KEY, else the key file (created mode 0600 on first start)."""
+        env_key = self.environ.get("RESIDENCY_ADMIN_KEY")
+        if env_key:
+            return env_key
+        p = self.admin_key_path
+        if p.exists():
+            return p.read_text().strip()
+        if not create:
+            raise RuntimeError(f"no admin key: {p} does not exist and RESIDENCY_ADMIN_KEY is unset")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        key = "rsd-" + secrets.token_urlsafe(32)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(key + "\n")
+        return key
+
+
+def connect(url: str) -> redis.Redis:
+    """Every role's Redis client. Timeouts everywhere: no call can wait forever."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=30,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+    )
+
+
+class ConfigStore:
+    """The admin layer of settings in Redis, and the generation counter."""
+
+    def __init__(self, box: Box, r: redis.Redis) -> None:
+        self.box = box
+        self.r = r
+
+    def admin_layer(self) -> dict[str, dict[str, Any]]:
+        raw = cast(dict[str, str], self.r.hgetall(keys.config_admin()))
+        flat = {k: json.loads(v) for k, v in raw.items()}
+        return settings.unflatten(flat)
+
+    def load(self) -> tuple[settings.Settings, dict[str, str]]:
+        """Effective settings and each key's source. Admin values that no longer validate (the
+        file changed under them) are reported, never silently applied."""
+        file_layer = self.box.file_layer()
+        env = settings.env_layer(self.box.environ)
+        admin = self.admin_layer()
+        s = settings.build(file_layer, env, admin, origin="file+env+admin")
+        return s, settings.sources(file_layer, env, admin)
+
+    def generation(self) -> int:
+        return int(self.r.get(keys.generation()) or 0)
+
+    def apply_patch(self, flat: Mapping[str, Any], actor: str) -> int:
+        """Persist validated changes, bump the generation, audit, and tell the coordinator —
+        one MULTI, so the change and its event are never seen apart."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.config_admin(), mapping={k: json.dumps(v) for k, v in flat.items()})
+        pipe.incr(keys.generation())
+        audit(pipe, actor, "config.patch", dict(flat))
+        pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+        return int(pipe.execute()[1])
+
+
+def audit(pipe: Any, actor: str, action: str, detail: dict[str, Any]) -> None:
+    """Queue an audit record on a pipeline (so it commits with the change it describes)."""
+    rec = {"at": time.time(), "actor": actor, "action": action, "detail": detail}
+    pipe.lpush(keys.audit(), json.dumps(rec))
+    pipe.ltrim(keys.audit(), 0, keys.AUDIT_MAX - 1)

@@ -1,0 +1,86 @@
+"""API errors in the OpenAI envelope, shared by web (answers) and model processes (replies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error a client sees: HTTP status plus the OpenAI ``error`` object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def envelope(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def to_reply(self) -> dict[str, Any]:
+        """The form carried on a reply stream (see residency.messages)."""
+        return {**self.envelope(), "status": self.status, "retry_after": self.retry_after}
+
+    @classmethod
+    def from_reply(cls, data: dict[str, Any]) -> ApiError:
+        err = data.get("error", {})
+        return cls(
+            int(data.get("status", 500)),
+            str(err.get("message", "error")),
+            type=str(err.get("type", "server_error")),
+            param=err.get("param"),
+            code=err.get("code"),
+            retry_after=data.get("retry_after"),
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> ApiError:
+    return ApiError(
+        404, f"The model '{name}' does not exist", param="model", code="model_not_found"
+    )
+
+
+def slots_pinned(name: str, pool: str) -> ApiError:
+    return ApiError(
+        409,
+        f"cannot load '{name}': every resident of the {pool} pool is pinned",
+        type="conflict_error",
+        code="slots_pinned",
+    )
+
+
+def queue_full(name: str, depth: int, retry_after: int = 1) -> ApiError:
+    return ApiError(
+        429,
+        f"too many requests waiting for '{name}' ({depth}); retry later",
+        type="rate_limit_error",
+        code="queue_full",
+        retry_after=retry_after,
+    )
+
+
+def not_ready(message: str, retry_after: int = 2) -> ApiError:
+    return ApiError(503, message, type="server_error", code="not_ready", retry_after=retry_after)

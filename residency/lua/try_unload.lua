@@ -1,0 +1,17 @@
+-- The model process decides its own unload: it commits only if nothing is queued or in flight;
+-- otherwise it refuses ("rescued") and goes back to ready, and the coordinator re-plans.
+-- KEYS[1] model hash, KEYS[2] queue, KEYS[3] processing, KEYS[4] events
+-- ARGV[1] token, ARGV[2] sources for unloaded (csv), ARGV[3] sources for ready (csv),
+-- ARGV[4] unloaded event JSON, ARGV[5] rescued event JSON
+if redis.call('LLEN', KEYS[2]) > 0 or redis.call('LLEN', KEYS[3]) > 0 then
+  local ok, prev = cas(KEYS[1], 'ready', ARGV[3], ARGV[1])
+  if not ok then return prev end
+  redis.call('HDEL', KEYS[1], 'draining_since')
+  redis.call('RPUSH', KEYS[4], ARGV[5])
+  return 'rescued'
+end
+local ok, prev = cas(KEYS[1], 'unloaded', ARGV[2], ARGV[1])
+if not ok then return prev end
+redis.call('HDEL', KEYS[1], 'pid', 'host', 'device', 'draining_since', 'loading_since')
+redis.call('RPUSH', KEYS[4], ARGV[4])
+return 'unloaded'

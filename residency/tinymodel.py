@@ -1,0 +1,242 @@
+"""Write a tiny, seeded-random llama-architecture GGUF model.
+
+Why this exists: the server needs *a* real GGUF file to load for its test
+suite and for smoke tests of a deployment (does the process start, load a
+model, tokenize, run a chat/completion/embedding request end to end?), but
+real models are gigabytes and cannot be shipped or downloaded in CI. The model
+written here is a few hundred KB, loads in milliseconds and decodes with
+llama.cpp like any llama/SentencePiece model; its weights are random, so its
+output is gibberish and generation stops at ``max_tokens`` (finish_reason
+"length"), not at an end-of-sequence token.
+
+The randomness is shaped a little so that the gibberish is well behaved:
+token-embedding rows (tied to the output projection) of the NORMAL pieces are
+much larger than those of the byte-fallback and control tokens, so sampling
+practically always picks printable-ASCII pieces. With plain uniform-scale
+weights the model samples byte tokens ~2/3 of the time, emits partial UTF-8
+sequences, and llama-cpp-python then keeps generating past ``max_tokens``
+(until the context is full, where decoding fails). Layer weights are scaled by
+``LAYER_SCALE / sqrt(fan_in)`` so the layers actually change the residual
+stream and the model doesn't simply repeat its last token.
+
+The file is fully determined by its arguments: the same ``seed``, ``dtype``
+and ``embedding`` produce a byte-identical file.
+
+Only the standard library, ``numpy`` and ``gguf`` are used, so this module can
+run where llama.cpp is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import threading
+from typing import Final, Literal
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CHATML_TEMPLATE", "write_tiny_model"]
+
+ARCH: Final = "llama"
+MODEL_NAME: Final = "residency-tiny"
+
+N_LAYER: Final = 2
+N_EMBD: Final = 64
+N_HEAD: Final = 4
+N_HEAD_KV: Final = 2
+N_FF: Final = 128
+CONTEXT_LENGTH: Final = 2048
+RMS_EPS: Final = 1e-5
+ROPE_FREQ_BASE: Final = 10000.0
+HEAD_DIM: Final = N_EMBD // N_HEAD
+N_KV_DIM: Final = HEAD_DIM * N_HEAD_KV
+# Weight scales (std of the normal distribution); see the module docstring.
+LAYER_SCALE: Final = 2.0  # divided by sqrt(fan_in)
+EMBD_SCALE_NORMAL: Final = 0.3  # token_embd rows of NORMAL tokens
+EMBD_SCALE_OTHER: Final = 0.02  # token_embd rows of byte / control / unknown tokens
+
+SPACE: Final = "\u2581"  # SentencePiece's "▁" word-boundary marker
+
+UNK_ID: Final = 0
+BOS_ID: Final = 1
+EOS_ID: Final = 2
+IM_START_ID: Final = 3
+IM_END_ID: Final = 4
+
+# The standard ChatML template (as shipped by e.g. OpenHermes / Qwen).
+CHATML_TEMPLATE: Final = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Whole words get a "▁word" piece; every "▁" prefix of each word is added too
+# so that SentencePiece's bigram merging can actually reach the full word.
+_WORDS: Final = (
+    "the", "a", "and", "to", "of", "in", "is", "it", "hello", "hi", "world", "you",
+    "how", "are", "this", "that", "for", "with",
+)  # fmt: skip
+
+
+def _vocab() -> tuple[list[str], list[float], list[int]]:
+    """Return (tokens, scores, token types) of the ~400-token SPM vocab."""
+    tokens: list[str] = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    types: list[int] = [
+        gguf.TokenType.UNKNOWN,
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.CONTROL,
+    ]
+    scores: list[float] = [0.0] * len(tokens)
+
+    for byte in range(256):
+        tokens.append(f"<0x{byte:02X}>")
+        types.append(gguf.TokenType.BYTE)
+        scores.append(0.0)
+
+    normal: list[str] = [SPACE]
+    for word in _WORDS:
+        for end in range(1, len(word) + 1):
+            piece = SPACE + word[:end]
+            if piece not in normal:
+                normal.append(piece)
+    # Printable ASCII except the space itself (spaces become "▁").
+    normal.extend(chr(c) for c in range(0x21, 0x7F))
+
+    for rank, piece in enumerate(normal):
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(rank))
+
+    return tokens, scores, types
+
+
+def _add_metadata(
+    writer: gguf.GGUFWriter,
+    *,
+    tokens: list[str],
+    scores: list[float],
+    types: list[int],
+    dtype: Literal["f32", "q8_0"],
+    embedding: bool,
+) -> None:
+    q8 = dtype == "q8_0"
+    writer.add_name(MODEL_NAME)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    writer.add_vocab_size(len(tokens))
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_freq_base(ROPE_FREQ_BASE)
+    if embedding:
+        writer.add_pooling_type(gguf.PoolingType.MEAN)
+
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(BOS_ID)
+    # <|im_end|> ends a ChatML turn; llama.cpp also treats </s> as end-of-generation.
+    writer.add_eos_token_id(IM_END_ID)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_pad_token_id(EOS_ID)
+    writer.add_add_bos_token(value=True)
+    writer.add_add_eos_token(value=False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def _add_tensors(
+    writer: gguf.GGUFWriter,
+    rng: np.random.Generator,
+    *,
+    types: list[int],
+    dtype: Literal["f32", "q8_0"],
+) -> None:
+    qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.F32
+
+    def matrix(
+        name: str, rows: int, cols: int, scale: float | npt.NDArray[np.float32] | None = None
+    ) -> None:
+        if scale is None:
+            scale = LAYER_SCALE / math.sqrt(cols)
+        data = rng.standard_normal((rows, cols), dtype=np.float32)
+        data = (data * np.asarray(scale, dtype=np.float32)).astype(np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
+
+    # numpy shapes are (out, in); output.weight is omitted (tied to token_embd).
+    normal = np.asarray(types) == gguf.TokenType.NORMAL
+    row_scale = np.where(normal, EMBD_SCALE_NORMAL, EMBD_SCALE_OTHER).astype(np.float32)
+    matrix("token_embd.weight", len(types), N_EMBD, row_scale[:, None])
+    for i in range(N_LAYER):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", N_EMBD, N_EMBD)
+        matrix(f"blk.{i}.attn_k.weight", N_KV_DIM, N_EMBD)
+        matrix(f"blk.{i}.attn_v.weight", N_KV_DIM, N_EMBD)
+        matrix(f"blk.{i}.attn_output.weight", N_EMBD, N_EMBD)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
+        matrix(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
+        matrix(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
+    norm("output_norm.weight")
+
+
+def write_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    dtype: Literal["f32", "q8_0"] = "f32",
+    embedding: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random llama GGUF model to ``path`` and return the path.
+
+    ``dtype`` selects the storage of the 2-D weight matrices (norms are always
+    F32). ``embedding=True`` adds ``llama.pooling_type = MEAN`` so that
+    llama.cpp returns one vector of length 64 per input when the model is
+    loaded with embeddings enabled (without it, llama-cpp-python returns one
+    vector per token). The file is written to a temporary sibling and then
+    renamed over ``path``, so concurrent writers never expose a partial file.
+    Missing parent directories are created.
+    """
+    if dtype not in ("f32", "q8_0"):
+        msg = f"unsupported dtype {dtype!r}; expected 'f32' or 'q8_0'"
+        raise ValueError(msg)
+
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    tokens, scores, types = _vocab()
+
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        _add_metadata(
+            writer, tokens=tokens, scores=scores, types=types, dtype=dtype, embedding=embedding
+        )
+        _add_tensors(writer, np.random.default_rng(seed), types=types, dtype=dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        tmp.replace(out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out

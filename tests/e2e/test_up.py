@@ -1,0 +1,240 @@
+"""End to end: `residency up` as a user starts it, driven by the official `openai` client and
+plain HTTP; then SIGTERM, and nothing may be left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+import requests
+
+from tests.conftest import tiny_models, write_config
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Up:
+    def __init__(self, tmp: Path, models_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data = tmp / "data"
+        cfg = write_config(
+            tmp / "box.toml",
+            {
+                "server": {"port": self.port, "web_workers": 1, "max_request_bytes": 65536},
+                "models": tiny_models(models_dir),
+            },
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESIDENCY_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(self.data)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError("residency up exited:\n" + "".join(self.lines))
+            self.lines.append(line)
+            if "residency is up" in line:
+                break
+        else:
+            raise AssertionError("residency up never became ready:\n" + "".join(self.lines))
+        self.admin_key = (self.data / "admin.key").read_text().strip()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Up]:
+    box = Up(tmp_path_factory.mktemp("up"), models_dir)
+    yield box
+    if box.proc.poll() is None:
+        box.proc.send_signal(signal.SIGTERM)
+        box.proc.wait(60)
+
+
+def test_models_are_listed(up: Up) -> None:
+    ids = {m.id for m in up.client.models.list().data}
+    assert {"a", "b", "c", "q8", "emb"} <= ids
+
+
+def test_chat_completion(up: Up) -> None:
+    r = up.client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+    )
+    assert r.model == "a"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.usage is not None and r.usage.completion_tokens == 8
+
+
+def test_streaming_chat(up: Up) -> None:
+    stream = up.client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hello"}], max_tokens=8, stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) >= 2
+    assert text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion(up: Up) -> None:
+    r = up.client.completions.create(model="b", prompt="the world", max_tokens=6)
+    assert r.choices[0].text
+    assert r.usage is not None and r.usage.completion_tokens == 6
+
+
+def test_embeddings_one_vector_per_input(up: Up) -> None:
+    r = up.client.embeddings.create(model="emb", input=["one", "two", "three"])
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert all(len(d.embedding) == 64 for d in r.data)
+
+
+def _error(resp: requests.Response) -> dict[str, object]:
+    body = resp.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return dict(body["error"])
+
+
+def test_bad_json_is_400_with_envelope(up: Up) -> None:
+    resp = requests.post(
+        up.url + "/v1/chat/completions",
+        data=b"{not json",
+        headers={"Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert resp.status_code == 400
+    _error(resp)
+
+
+def test_unknown_model_is_404(up: Up) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        up.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404
+    assert e.value.code == "model_not_found"
+
+
+def test_wrong_type_names_the_field(up: Up) -> None:
+    resp = requests.post(
+        up.url + "/v1/chat/completions",
+        json={"model": "a", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+        timeout=10,
+    )
+    assert resp.status_code == 400
+    assert _error(resp)["param"] == "max_tokens"
+
+
+def test_oversized_body_is_413(up: Up) -> None:
+    big = "x" * 100_000
+    resp = requests.post(
+        up.url + "/v1/chat/completions",
+        json={"model": "a", "messages": [{"role": "user", "content": big}]},
+        timeout=10,
+    )
+    assert resp.status_code == 413
+    _error(resp)
+
+
+def test_health_and_metrics_carry_the_contract_names(up: Up) -> None:
+    h = requests.get(up.url + "/health", timeout=10).json()
+    for k in ("status", "version", "generation", "max_models", "llm_pool_autosize", "auto_evict"):
+        assert k in h
+    assert h["max_models"]["llm"] == {"configured": 1, "effective": 1}
+    names = {m["name"] for m in h["models"]}
+    assert {"a", "emb"} <= names
+    m = next(m for m in h["models"] if m["name"] == "a")
+    for k in ("type", "pool", "state", "pinned", "busy", "in_flight", "queued", "host", "device"):
+        assert k in m
+    assert h["workers"] and h["workers"][0]["alive"] is True
+    text = requests.get(up.url + "/metrics", timeout=10).text
+    for name in (
+        'residency_max_loaded_models{kind="configured",type="llm"}',
+        'residency_max_loaded_models{kind="effective",type="llm"}',
+        "residency_loaded_models{",
+        "residency_model_loads_total{",
+        "residency_model_load_seconds_bucket{",
+        "residency_requests_total{",
+        "residency_time_to_first_token_seconds_bucket{",
+        "residency_queue_depth{",
+    ):
+        assert name in text, name
+
+
+def test_status_command_prints_the_pool(up: Up) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "residency.cli", "status", "--url", up.url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert "model" in out and "state" in out and "limits" in out
+
+
+def test_config_set_and_get_through_the_admin_api(up: Up) -> None:
+    env = {**os.environ, "RESIDENCY_ADMIN_KEY": up.admin_key}
+    base = [sys.executable, "-m", "residency.cli", "config", "--url", up.url]
+    subprocess.run([*base, "set", "pool.max_queue_per_model=32"], env=env, check=True, timeout=30, capture_output=True)
+    got = subprocess.run([*base, "get", "pool.max_queue_per_model"], env=env, check=True, timeout=30, capture_output=True, text=True)
+    assert json.loads(got.stdout) == 32
+    bad = subprocess.run([*base, "set", "pool.max_loaded_models=0"], env=env, timeout=30, capture_output=True, text=True)
+    assert bad.returncode != 0 and "pool.max_loaded_models" in bad.stdout
+
+
+def test_client_disconnect_stops_generation(up: Up) -> None:
+    with requests.post(
+        up.url + "/v1/completions",
+        json={"model": "a", "prompt": "go", "max_tokens": 1500, "stream": True},
+        stream=True,
+        timeout=30,
+    ) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith(b"data: ")
+    # The model process notices the cancel flag at its next flush and frees itself.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        h = requests.get(up.url + "/health", timeout=10).json()
+        m = next(m for m in h["models"] if m["name"] == "a")
+        if m["in_flight"] == 0 and m["queued"] == 0:
+            break
+        time.sleep(0.1)
+    text = requests.get(up.url + "/metrics", timeout=10).text
+    assert "residency_requests_total" in text
+
+
+def test_sigterm_leaves_no_process_behind(up: Up) -> None:
+    # Make sure model processes exist, so there is something to clean up.
+    up.client.chat.completions.create(model="a", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    kids = up.descendants()
+    assert len(kids) >= 4  # redis, coordinator, worker, web (+ gunicorn workers, model process)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    gone, alive = psutil.wait_procs(kids, timeout=30)
+    assert alive == [], [p.pid for p in alive]

@@ -1,0 +1,188 @@
+"""The pool rules against real parts: a real Redis, the coordinator and agent running, real
+model processes running llama.cpp on tiny GGUF models, requests through the Flask app.
+
+Assertions are on states, counts and orders, never on wall-clock durations.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+
+from residency import keys
+from tests.conftest import Pool
+from web.app import create_app
+
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
+def client_for(pool: Pool) -> FlaskClient:
+    return create_app(pool.box).test_client()
+
+
+def chat(c: FlaskClient, model: str, **kw: Any) -> Any:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+    return c.post("/v1/chat/completions", json=body)
+
+
+def loads(pool: Pool, model: str) -> int:
+    field = f'residency_model_loads_total|{json.dumps({"model": model, "outcome": "ok"}, sort_keys=True, separators=(",", ":"))}'
+    return int(float(pool.r.hget(keys.metric_counters(), field) or 0))
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_load_serve_evict_reload(start_pool: Callable[..., Pool]) -> None:
+    """DESIGN §4 rule 1 with max_loaded_models=1: the second model evicts the first, and asking
+    for the first again reloads it (a new process)."""
+    pool = start_pool(pool={"max_loaded_models": 1})
+    c = client_for(pool)
+    assert chat(c, "a").status_code == 200
+    pid_a = pool.pid("a")
+    assert pool.state("a") == "ready" and pid_a
+
+    assert chat(c, "b").status_code == 200
+    assert pool.state("b") == "ready"
+    assert pool.state("a") == "unloaded"
+    assert pool.resident() == {"b"}
+
+    assert chat(c, "a").status_code == 200
+    assert pool.state("a") == "ready"
+    assert pool.pid("a") != pid_a
+    assert pool.resident() == {"a"}
+    assert loads(pool, "a") == 2 and loads(pool, "b") == 1
+
+
+def test_busy_model_is_never_evicted(start_pool: Callable[..., Pool]) -> None:
+    """A request in flight on `a` keeps `a` resident; the request for `b` waits (not fails) and
+    is served once `a` goes idle — without any other request arriving."""
+    pool = start_pool(pool={"max_loaded_models": 1}, debug={"fault_injection": True})
+    c = client_for(pool)
+    assert chat(c, "a").status_code == 200
+    pid_a = pool.pid("a")
+    assert c.post("/admin/faults", json={"hold": {"a": True}}, headers=ADMIN).status_code == 200
+
+    ta, ra = in_thread(lambda: chat(client_for(pool), "a"))
+    pool.wait_for(lambda: pool.r.llen(keys.processing("a")) == 1, what="a in flight")
+    tb, rb = in_thread(lambda: chat(client_for(pool), "b"))
+    pool.wait_for(lambda: pool.r.llen(keys.queue("b")) == 1, what="b queued")
+    passes = pool.coordinator.passes
+    pool.wait_for(lambda: pool.coordinator.passes >= passes + 3, what="coordinator passes")
+    assert pool.state("a") == "ready" and pool.pid("a") == pid_a
+    assert pool.state("b") == "unloaded"
+    assert not rb
+
+    c.post("/admin/faults", json={"hold": {"a": False}}, headers=ADMIN)
+    ta.join(30)
+    tb.join(30)
+    assert ra[0].status_code == 200
+    assert rb[0].status_code == 200
+    assert pool.state("b") == "ready" and pool.state("a") == "unloaded"
+
+
+def test_pinned_model_is_never_evicted_and_all_pinned_is_409(
+    start_pool: Callable[..., Pool],
+) -> None:
+    pool = start_pool(pool={"max_loaded_models": 1})
+    c = client_for(pool)
+    assert c.post("/admin/models/a/pin", json={"pinned": True}, headers=ADMIN).status_code == 200
+    assert chat(c, "a").status_code == 200
+    resp = chat(c, "b")
+    assert resp.status_code == 409
+    assert resp.get_json()["error"]["code"] == "slots_pinned"
+    assert pool.state("a") == "ready"
+    assert pool.state("b") == "unloaded"
+    # Unpinned, it is an ordinary LRU victim again.
+    c.post("/admin/models/a/pin", json={"pinned": False}, headers=ADMIN)
+    assert chat(c, "b").status_code == 200
+    assert pool.state("a") == "unloaded"
+
+
+def test_concurrent_requests_for_a_cold_model_share_one_load(
+    start_pool: Callable[..., Pool],
+) -> None:
+    pool = start_pool(pool={"max_loaded_models": 1}, debug={"fault_injection": True})
+    c = client_for(pool)
+    # A slow load (the fault hook waits on a stop-aware timer) so both requests arrive during it.
+    c.post("/admin/faults", json={"load_delay_s": {"c": 1.0}}, headers=ADMIN)
+    threads = [in_thread(lambda: chat(client_for(pool), "c")) for _ in range(4)]
+    for t, _ in threads:
+        t.join(60)
+    assert [out[0].status_code for _, out in threads] == [200] * 4
+    assert loads(pool, "c") == 1
+
+
+def test_q8_0_model_decodes(start_pool: Callable[..., Pool]) -> None:
+    """Guard for the AMX crash: a native llama.cpp build segfaults on the first quantized decode."""
+    pool = start_pool()
+    resp = chat(client_for(pool), "q8", max_tokens=16)
+    assert resp.status_code == 200, resp.get_json()
+    assert resp.get_json()["usage"]["completion_tokens"] == 16
+
+
+def test_embeddings_one_vector_per_input(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool()
+    resp = client_for(pool).post("/v1/embeddings", json={"model": "emb", "input": ["a", "bc", "d"]})
+    assert resp.status_code == 200, resp.get_json()
+    data = resp.get_json()["data"]
+    assert [d["index"] for d in data] == [0, 1, 2]
+    assert all(len(d["embedding"]) == 64 for d in data)
+
+
+def test_embedding_and_llm_pools_are_separate(start_pool: Callable[..., Pool]) -> None:
+    """Rule 2: limits are per type, so an embedding model never evicts a chat model."""
+    pool = start_pool(pool={"max_loaded_models": 1})
+    c = client_for(pool)
+    assert chat(c, "a").status_code == 200
+    assert c.post("/v1/embeddings", json={"model": "emb", "input": "x"}).status_code == 200
+    assert pool.resident() == {"a", "emb"}
+
+
+def test_streaming_chat_sends_chunks_then_done(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool()
+    resp = chat(client_for(pool), "a", stream=True, max_tokens=6)
+    assert resp.status_code == 200
+    assert resp.mimetype == "text/event-stream"
+    events = [e for e in resp.get_data(as_text=True).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(ch["object"] == "chat.completion.chunk" and ch["model"] == "a" for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_failed_load_answers_the_waiting_request(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool(debug={"fault_injection": True})
+    c = client_for(pool)
+    c.post("/admin/faults", json={"fail_next_load": "b"}, headers=ADMIN)
+    resp = chat(c, "b")
+    assert resp.status_code == 500
+    assert resp.get_json()["error"]["code"] == "model_load_failed"
+    assert pool.state("b") == "failed"
+    # The next request tries again, and the failure was one-shot.
+    assert chat(c, "b").status_code == 200
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL"])
+def test_killed_model_process_is_replaced(start_pool: Callable[..., Pool], sig: str) -> None:
+    import os
+    import signal
+
+    pool = start_pool()
+    c = client_for(pool)
+    assert chat(c, "a").status_code == 200
+    pid = pool.pid("a")
+    assert pid
+    os.kill(pid, getattr(signal, sig))
+    pool.wait_for(lambda: pool.state("a") == "unloaded", what="a reaped")
+    assert chat(c, "a").status_code == 200
+    assert pool.pid("a") not in (None, pid)

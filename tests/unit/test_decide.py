@@ -1,0 +1,171 @@
+"""The pure admission and eviction rules (DESIGN.md §4 rules 1, 2 and 4)."""
+
+from __future__ import annotations
+
+from coordinator.decide import (
+    Evict,
+    Load,
+    ModelView,
+    Reap,
+    Reject,
+    Snapshot,
+    Wait,
+    WorkerView,
+    decide,
+    effective_limit,
+    lru_victims,
+)
+from residency.states import ModelState as S
+
+W = {"box1": WorkerView("box1", ("cpu",))}
+
+
+def mv(name: str, state: S = S.UNLOADED, **kw: object) -> ModelView:
+    base: dict[str, object] = {"type": "llm", "token": f"t-{name}", "host": None, "device": None}
+    if state in (S.LOADING, S.READY, S.DRAINING):
+        base.update(host="box1", device="cpu")
+    base.update(kw)
+    return ModelView(name=name, state=state, **base)  # type: ignore[arg-type]
+
+
+def snap(*models: ModelView, limit: int = 1, emb_limit: int = 1, **kw: object) -> Snapshot:
+    return Snapshot(
+        models={m.name: m for m in models},
+        workers=kw.pop("workers", W),  # type: ignore[arg-type]
+        limits={"llm": limit, "embedding": emb_limit},
+        now=1000.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def of(kind: type, actions: list) -> list:  # type: ignore[type-arg]
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_load_when_pool_has_room() -> None:
+    acts = decide(snap(mv("a", queued=1, demand_since=1.0)))
+    assert acts == [Load("a", "box1", "cpu")]
+
+
+def test_full_pool_evicts_lru_idle_unpinned() -> None:
+    acts = decide(
+        snap(
+            mv("a", S.READY, last_used=50.0),
+            mv("b", S.READY, last_used=10.0, pinned=True),
+            mv("c", queued=1),
+            limit=2,
+        )
+    )
+    assert of(Evict, acts) == [Evict("a", "t-a", "lru")]
+    assert of(Load, acts) == []
+    assert Wait("c", "evicting") in acts
+
+
+def test_lru_order_oldest_first() -> None:
+    ms = [mv("x", S.READY, last_used=30.0), mv("y", S.READY, last_used=10.0)]
+    assert [m.name for m in lru_victims(ms)] == ["y", "x"]
+
+
+def test_busy_resident_is_never_a_victim() -> None:
+    acts = decide(snap(mv("a", S.READY, in_flight=1), mv("b", queued=1)))
+    assert of(Evict, acts) == []
+    assert acts == [Wait("b", "all_busy")]
+
+
+def test_queued_request_makes_a_resident_busy() -> None:
+    acts = decide(snap(mv("a", S.READY, queued=2), mv("b", queued=1)))
+    assert of(Evict, acts) == []
+
+
+def test_all_pinned_rejects_with_slots_pinned() -> None:
+    acts = decide(snap(mv("a", S.READY, pinned=True), mv("b", queued=1)))
+    assert acts == [Reject("b", "slots_pinned")]
+
+
+def test_pinned_and_busy_waits_instead_of_rejecting() -> None:
+    acts = decide(
+        snap(mv("a", S.READY, pinned=True), mv("b", S.READY, in_flight=1), mv("c", queued=1), limit=2)
+    )
+    assert acts == [Wait("c", "all_busy")]
+
+
+def test_loading_model_is_not_loaded_twice() -> None:
+    acts = decide(snap(mv("a", S.LOADING, queued=3, loading_since=999.0)))
+    assert of(Load, acts) == []
+
+
+def test_draining_slot_is_waited_for_not_doubled() -> None:
+    acts = decide(snap(mv("a", S.DRAINING), mv("b", S.READY, last_used=1.0), mv("c", queued=1)))
+    # the pool (limit 1) is over by one and a slot is already on its way out: b is evicted to
+    # converge, c waits for the draining slot rather than evicting a second model for itself.
+    assert Wait("c", "slot_draining") in acts
+    assert of(Evict, acts) == [Evict("b", "t-b", "limit")]
+
+
+def test_pools_are_per_type() -> None:
+    acts = decide(snap(mv("chat", S.READY), mv("emb", type="embedding", queued=1)))
+    assert of(Load, acts) == [Load("emb", "box1", "cpu")]
+    assert of(Evict, acts) == []
+
+
+def test_unlimited_pool_never_evicts() -> None:
+    acts = decide(snap(mv("a", S.READY), mv("b", S.READY), mv("c", queued=1), limit=-1))
+    assert of(Load, acts) == [Load("c", "box1", "cpu")]
+    assert of(Evict, acts) == []
+
+
+def test_limit_drop_shrinks_all_the_way_lru_first() -> None:
+    acts = decide(
+        snap(
+            mv("a", S.READY, last_used=3.0),
+            mv("b", S.READY, last_used=1.0),
+            mv("c", S.READY, last_used=2.0),
+        )
+    )
+    assert of(Evict, acts) == [Evict("b", "t-b", "limit"), Evict("c", "t-c", "limit")]
+
+
+def test_demand_is_served_oldest_first() -> None:
+    acts = decide(snap(mv("late", queued=1, demand_since=20.0), mv("early", queued=1, demand_since=5.0)))
+    assert of(Load, acts) == [Load("early", "box1", "cpu")]
+
+
+def test_no_worker_means_wait() -> None:
+    acts = decide(snap(mv("a", queued=1), workers={}))
+    assert acts == [Wait("a", "no_worker")]
+
+
+def test_dead_host_is_reaped() -> None:
+    dead = {"box1": WorkerView("box1", ("cpu",), alive=False)}
+    acts = decide(snap(mv("a", S.READY), workers=dead))
+    assert acts == [Reap("a", "t-a", "host_gone")]
+
+
+def test_stuck_load_is_reaped_after_timeout() -> None:
+    acts = decide(snap(mv("a", S.LOADING, loading_since=100.0), load_timeout_s=600.0))
+    assert acts == [Reap("a", "t-a", "load_timeout")]
+
+
+def test_deleted_model_is_evicted_when_idle() -> None:
+    acts = decide(snap(mv("gone", S.READY, registered=False)))
+    assert acts == [Evict("gone", "t-gone", "deleted")]
+
+
+def test_placement_spreads_over_devices() -> None:
+    two = {"box1": WorkerView("box1", ("cuda:0", "cuda:1"))}
+    acts = decide(snap(mv("a", queued=1, demand_since=1.0), mv("b", queued=1, demand_since=2.0), limit=2, workers=two))
+    assert of(Load, acts) == [Load("a", "box1", "cuda:0"), Load("b", "box1", "cuda:1")]
+
+
+def test_explicit_load_and_unload() -> None:
+    acts = decide(snap(mv("a", explicit="load")))
+    assert of(Load, acts) == [Load("a", "box1", "cpu")]
+    acts = decide(snap(mv("a", S.READY, explicit="unload", pinned=True)))
+    assert acts == [Evict("a", "t-a", "admin")]
+
+
+def test_effective_limit() -> None:
+    assert effective_limit(1, True, 3) == 3
+    assert effective_limit(1, False, 3) == 1
+    assert effective_limit(-1, True, 3) == -1
+    assert effective_limit(4, True, 3) == 4

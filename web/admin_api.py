@@ -1,0 +1,245 @@
+"""The admin API: live config, model registry, explicit residency control, audit, faults.
+
+Every call needs ``Authorization: Bearer <admin key>``. Changes are written through
+``ConfigStore`` and ``residency.registry`` (each one MULTI with its generation bump, audit record
+and coordinator event) and answered at once; enforcement is the coordinator's job.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request
+from pydantic import ValidationError
+
+from residency import errors, keys, registry
+from residency.box import ConfigStore, audit
+from residency.errors import ApiError
+from residency.messages import Event, EventType
+from residency.settings import ModelSpec, SettingsError, check_model_name, validate_patch
+from web.body import read_json
+from web.faults import parse_faults
+from web.responses import settings_error
+from web.state import state
+
+bp = Blueprint("admin", __name__, url_prefix="/admin")
+
+_MODEL_FIELDS = ("state", "host", "device", "pid")
+AUDIT_DEFAULT = 100
+
+
+@bp.before_request
+def _auth() -> None:
+    if not state().is_admin(request.headers.get("Authorization")):
+        raise ApiError(
+            401,
+            "admin API: send 'Authorization: Bearer <admin key>'",
+            type="authentication_error",
+            code="invalid_admin_key",
+        )
+
+
+def _actor() -> str:
+    return f"admin@{request.remote_addr or '-'}"
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@bp.get("/config")
+def get_config() -> Any:
+    view = state().refresh()
+    return jsonify(
+        {
+            "config": view.settings.model_dump(exclude={"models"}),
+            "sources": view.sources,
+            "generation": view.generation,
+        }
+    )
+
+
+@bp.patch("/config")
+def patch_config() -> Any:
+    st = state()
+    body = read_json()
+    try:
+        flat = validate_patch(st.refresh().settings, body)
+    except SettingsError as e:
+        return settings_error(e)
+    gen = ConfigStore(st.box, st.r).apply_patch(flat, _actor())
+    return jsonify({"updated": flat, "generation": gen})
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+def _residency(raw: list[Any]) -> dict[str, Any]:
+    out = dict(zip(_MODEL_FIELDS, raw, strict=True))
+    out["state"] = out["state"] or "unloaded"
+    if out["pid"]:
+        out["pid"] = int(out["pid"])
+    return out
+
+
+def _with_residency(entries: list[registry.Entry]) -> list[dict[str, Any]]:
+    pipe = state().r.pipeline(transaction=False)
+    for e in entries:
+        pipe.hmget(keys.model(e.name), list(_MODEL_FIELDS))
+    return [
+        {**e.public(), **_residency(raw)} for e, raw in zip(entries, pipe.execute(), strict=True)
+    ]
+
+
+def _entry(name: str) -> registry.Entry:
+    entry = registry.get(state().r, name)
+    if entry is None:
+        raise errors.model_not_found(name)
+    return entry
+
+
+@bp.get("/models")
+def list_models() -> Any:
+    entries = sorted(registry.all_entries(state().r).values(), key=lambda e: e.name)
+    return jsonify({"models": _with_residency(entries)})
+
+
+@bp.get("/models/<name>")
+def get_model(name: str) -> Any:
+    return jsonify(_with_residency([_entry(name)])[0])
+
+
+def _spec_error(e: ValidationError) -> ApiError:
+    problems: dict[str, str] = {}
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        problems[loc or "(body)"] = msg.removeprefix("Value error, ")
+    first = next(iter(problems))
+    message = "invalid model: " + "; ".join(f"{k}: {v}" for k, v in problems.items())
+    return errors.bad_request(message, None if first == "(body)" else first, "invalid_model")
+
+
+@bp.put("/models/<name>")
+def put_model(name: str) -> Any:
+    st = state()
+    try:
+        check_model_name(name)
+    except ValueError as e:
+        raise errors.bad_request(str(e), "name", "invalid_model_name") from None
+    body = read_json()
+    try:
+        spec = ModelSpec.model_validate(body)
+    except ValidationError as e:
+        raise _spec_error(e) from None
+    s = st.refresh().settings
+    allowed = [st.box.models_dir, *(Path(d) for d in s.server.model_dirs)]
+    try:
+        resolved = registry.check_path(spec.path, allowed)
+    except registry.PathNotAllowed as e:
+        raise errors.bad_request(str(e), "path", "path_not_allowed") from None
+    if not Path(resolved).is_file():
+        raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
+    existed = registry.get(st.r, name) is not None
+    entry = registry.Entry(name, spec.model_copy(update={"path": resolved}), "admin")
+    gen = registry.put(st.r, entry, _actor())
+    resp = jsonify({"model": entry.public(), "generation": gen})
+    resp.status_code = 200 if existed else 201
+    return resp
+
+
+@bp.delete("/models/<name>")
+def delete_model(name: str) -> Any:
+    st = state()
+    entry = _entry(name)
+    if entry.source == "file":
+        raise ApiError(
+            409,
+            f"model '{name}' is defined in the config file; remove it there",
+            type="conflict_error",
+            param="name",
+            code="defined_in_file",
+        )
+    gen = registry.delete(st.r, name, _actor())
+    return jsonify({"deleted": name, "generation": gen})
+
+
+def _request_residency(name: str, what: str, event: Event) -> Response:
+    st = state()
+    _entry(name)
+    pipe = st.r.pipeline(transaction=True)
+    pipe.rpush(keys.events(), json.dumps(event.to_dict()))
+    audit(pipe, _actor(), f"model.{what}", {"name": name})
+    pipe.execute()
+    resp = jsonify({"model": name, "requested": what})
+    resp.status_code = 202
+    return resp
+
+
+@bp.post("/models/<name>/load")
+def load_model(name: str) -> Any:
+    return _request_residency(name, "load", Event(EventType.DEMAND, name, {"explicit": True}))
+
+
+@bp.post("/models/<name>/unload")
+def unload_model(name: str) -> Any:
+    return _request_residency(name, "unload", Event(EventType.CONFIG, name, {"unload": True}))
+
+
+@bp.post("/models/<name>/pin")
+def pin_model(name: str) -> Any:
+    st = state()
+    entry = _entry(name)
+    body = read_json()
+    pinned = body.get("pinned")
+    if not isinstance(pinned, bool):
+        raise errors.bad_request("'pinned' must be a boolean", "pinned")
+    gen = registry.set_pinned(st.r, entry, pinned, _actor())
+    return jsonify({"model": name, "pinned": pinned, "generation": gen})
+
+
+# --- audit ------------------------------------------------------------------------------------
+
+
+@bp.get("/audit")
+def get_audit() -> Any:
+    raw = request.args.get("limit", str(AUDIT_DEFAULT))
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise errors.bad_request("'limit' must be an integer", "limit") from None
+    if not 1 <= limit <= keys.AUDIT_MAX:
+        raise errors.bad_request(f"'limit' must be between 1 and {keys.AUDIT_MAX}", "limit")
+    rows = state().r.lrange(keys.audit(), 0, limit - 1)
+    return jsonify({"audit": [json.loads(x) for x in rows]})
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+
+def _faults_enabled() -> None:
+    # Answer exactly like an unknown path, so a production box does not advertise the drill.
+    if not state().refresh().settings.debug.fault_injection:
+        raise ApiError(404, f"unknown path: {request.method} {request.path}", code="not_found")
+
+
+@bp.get("/faults")
+def get_faults() -> Any:
+    _faults_enabled()
+    return jsonify({"faults": state().r.hgetall(keys.faults())})
+
+
+@bp.post("/faults")
+def post_faults() -> Any:
+    _faults_enabled()
+    st = state()
+    put, drop = parse_faults(read_json())
+    pipe = st.r.pipeline(transaction=True)
+    if put:
+        pipe.hset(keys.faults(), mapping=put)  # type: ignore[arg-type]
+    if drop:
+        pipe.hdel(keys.faults(), *drop)
+    audit(pipe, _actor(), "faults", {"set": put, "deleted": drop})
+    pipe.hgetall(keys.faults())
+    return jsonify({"faults": pipe.execute()[-1]})

@@ -1,0 +1,89 @@
+"""The Flask app factory: blueprints, the body size limit and JSON errors everywhere."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from residency import errors
+from residency.box import Box
+from residency.errors import ApiError
+from web import admin_api, openai_api, ops
+from web.body import too_large
+from web.responses import error_response
+from web.state import EXTENSION, State, state
+
+log = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def _from_http(e: HTTPException) -> ApiError:
+    status = e.code or 500
+    if status == 404:
+        message = f"unknown path: {request.method} {request.path}"
+    elif status == 405:
+        message = f"method {request.method} is not allowed on {request.path}"
+    else:
+        message = e.description or e.name
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return ApiError(status, message, type=kind, code=_CODES.get(status))
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api(e: ApiError) -> Response:
+        return error_response(e)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def _too_large(e: RequestEntityTooLarge) -> Response:
+        return error_response(too_large(request.max_content_length or 0))
+
+    @app.errorhandler(HTTPException)
+    def _http(e: HTTPException) -> Response:
+        return error_response(_from_http(e))
+
+    @app.errorhandler(redis.ConnectionError)
+    @app.errorhandler(redis.TimeoutError)
+    def _storage(e: redis.RedisError) -> Response:
+        log.warning("Redis unavailable: %s", e)
+        return error_response(errors.not_ready(f"storage unavailable: {e.__class__.__name__}"))
+
+    @app.errorhandler(Exception)
+    def _internal(e: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal server error", type="server_error"))
+
+
+def _limit_body() -> None:
+    """Set the body limit before anything reads the body: Werkzeug then enforces it on read
+    (chunked bodies included); a declared Content-Length over it is refused at once."""
+    if request.method not in ("POST", "PUT", "PATCH"):
+        return
+    limit = state().cached().settings.server.max_request_bytes
+    request.max_content_length = limit
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)
+
+
+def create_app(box: Box | None = None) -> Flask:
+    """A web app for ``box`` (from the environment when None). No Redis connection is made
+    here: the per-process state connects on the first request, after gunicorn forked."""
+    app = Flask("residency.web")
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions[EXTENSION] = State(box or Box.from_env())
+    _register_errors(app)
+    app.before_request(_limit_body)
+    app.register_blueprint(openai_api.bp)
+    app.register_blueprint(admin_api.bp)
+    app.register_blueprint(ops.bp)
+    return app

@@ -1,0 +1,181 @@
+"""Submitting a request to its model's queue and collecting the reply stream.
+
+A ``Call`` is one submitted request. Its reply stream (``keys.reply(id)``) carries messages with
+``t`` in chunk/done/error and ``d`` JSON; the web thread reads it with ``XREAD BLOCK`` so every
+wait is bounded, and deletes it when the reply is complete. A request abandoned by its client or
+by the timeout is cancelled: the cancel flag tells a model process that already took it to stop,
+and LREM takes it out of the queue if nobody took it yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import redis
+from prometheus_client import Counter, Histogram
+
+from residency import errors, keys, metrics
+from residency.errors import ApiError
+from residency.lua import Scripts
+from residency.messages import Event, EventType, Kind, ReplyType, Request, new_request_id
+
+log = logging.getLogger(__name__)
+
+BLOCK_MS = 1000
+READ_COUNT = 100
+
+TTFT = Histogram(
+    metrics.TTFT,
+    "Seconds from submit to the first streamed chunk (or the whole reply)",
+    ["model"],
+    buckets=metrics.TTFT_BUCKETS,
+)
+REQUESTS = Counter(
+    metrics.REQUESTS_TOTAL, "API requests by model and HTTP status code", ["model", "code"]
+)
+
+
+def timeout_error(model: str, waited: float) -> ApiError:
+    return ApiError(
+        503,
+        f"no reply from '{model}' within {waited:g}s; retry later",
+        type="server_error",
+        code="timeout",
+        retry_after=5,
+    )
+
+
+def _storage_error(exc: Exception) -> ApiError:
+    return errors.not_ready(f"storage unavailable: {exc.__class__.__name__}")
+
+
+class Call:
+    """One submitted request and its reply stream.
+
+    ``timeout_s`` bounds the wait for each reply message: the first one is measured from submit
+    (queue wait and load included), later ones from the message before, so a long stream that
+    keeps producing is never cut while a stalled one is.
+    """
+
+    def __init__(self, r: redis.Redis, req: Request, item: str, timeout_s: float) -> None:
+        self.r = r
+        self.req = req
+        self.item = item
+        self.timeout_s = timeout_s
+        self._last_id = "0-0"
+        self._first = True
+        self.closed = False
+
+    @property
+    def model(self) -> str:
+        return self.req.model
+
+    def _read(self) -> Iterator[tuple[ReplyType, dict[str, Any]]]:
+        """Every reply message until done or error; raises the 503 timeout after cancelling."""
+        key = keys.reply(self.req.id)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.abandon()
+                raise timeout_error(self.model, self.timeout_s)
+            try:
+                resp: Any = self.r.xread(
+                    {key: self._last_id}, count=READ_COUNT, block=max(1, int(min(left, 1) * 1000))
+                )
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                self.abandon()
+                raise _storage_error(e) from e
+            streams = resp.items() if isinstance(resp, dict) else (resp or [])
+            for _key, entries in streams:
+                for msg_id, fields in entries:
+                    self._last_id = msg_id
+                    kind = ReplyType(fields["t"])
+                    data = json.loads(fields["d"]) if fields.get("d") else {}
+                    if self._first and kind is not ReplyType.ERROR:
+                        self._first = False
+                        TTFT.labels(self.model).observe(time.time() - self.req.submitted)
+                    if kind is not ReplyType.CHUNK:
+                        self.close()
+                    yield kind, data
+                    if kind is not ReplyType.CHUNK:
+                        return
+                    deadline = time.monotonic() + self.timeout_s
+
+    def result(self) -> dict[str, Any]:
+        """The whole response of a non-stream request."""
+        for kind, data in self._read():
+            if kind is ReplyType.DONE:
+                return data
+            if kind is ReplyType.ERROR:
+                raise ApiError.from_reply(data)
+            log.warning("ignoring a chunk on the reply of non-stream request %s", self.req.id)
+        raise ApiError(500, "reply stream ended without a result", type="server_error")
+
+    def chunks(self) -> Generator[dict[str, Any], None, None]:
+        """Each OpenAI chunk object of a stream request; returns on done, raises on error."""
+        for kind, data in self._read():
+            if kind is ReplyType.CHUNK:
+                yield from data.get("chunks", [])
+            elif kind is ReplyType.ERROR:
+                raise ApiError.from_reply(data)
+
+    def close(self) -> None:
+        """The reply is complete: its stream is no longer needed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.r.delete(keys.reply(self.req.id))
+        except redis.RedisError:
+            log.warning("could not delete reply stream of %s (it expires)", self.req.id)
+
+    def abandon(self) -> None:
+        """Nobody will read the reply: stop its generation and drop it from the queue."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.set(keys.cancel(self.req.id), "1", ex=keys.REPLY_TTL_S)
+            pipe.lrem(keys.queue(self.model), 1, self.item)
+            pipe.delete(keys.reply(self.req.id))
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not cancel request %s for %s", self.req.id, self.model)
+
+
+def submit(
+    r: redis.Redis,
+    scripts: Scripts,
+    *,
+    kind: Kind,
+    model: str,
+    params: dict[str, Any],
+    stream: bool,
+    bound: int,
+    timeout_s: float,
+) -> Call:
+    """Queue a request (bounded: 429 with Retry-After when full) and return its Call."""
+    req = Request(
+        id=new_request_id(),
+        kind=kind,
+        model=model,
+        params=params,
+        stream=stream,
+        submitted=time.time(),
+    )
+    item = req.dumps()
+    try:
+        ok, depth = scripts.submit(
+            model, item, bound=bound, demand_event=Event(EventType.DEMAND, model).to_dict()
+        )
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise _storage_error(e) from e
+    if not ok:
+        raise errors.queue_full(model, depth)
+    return Call(r, req, item, timeout_s)

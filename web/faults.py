@@ -1,0 +1,85 @@
+"""Parsing ``POST /admin/faults`` bodies (pure): which ``keys.faults()`` fields to set or delete.
+
+Field names are the contract with the model processes that read them: ``load_delay_s:<model>``
+(seconds), ``fail_next_load`` (model name), ``memory_pressure`` (fraction 0..1) and
+``hold:<model>`` ("1" while that model's process must hold every generation before its first
+token). A false, zero or null value deletes the field, so a test can undo what it set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from residency.errors import ApiError, bad_request
+from residency.settings import check_model_name
+
+FAULT_KEYS = ("load_delay_s", "fail_next_load", "memory_pressure", "hold")
+
+
+def _name(name: Any, param: str) -> str:
+    if not isinstance(name, str):
+        raise bad_request(f"'{param}' must be a model name", param)
+    try:
+        return check_model_name(name)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def _number(v: Any, param: str, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad_request(f"'{param}' must be a number", param)
+    if not 0 <= v <= hi:
+        raise bad_request(f"'{param}' must be between 0 and {hi:g}", param)
+    return float(v)
+
+
+def _per_model(body: Mapping[str, Any], key: str) -> dict[str, Any]:
+    v = body[key]
+    if not isinstance(v, dict):
+        raise bad_request(f"'{key}' must be an object of model name -> value", key)
+    return {_name(m, f"{key}.{m}"): x for m, x in v.items()}
+
+
+def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """(fields to set, fields to delete); 400 ``ApiError`` naming the bad key otherwise."""
+    unknown = [k for k in body if k not in FAULT_KEYS]
+    if unknown:
+        raise bad_request(
+            f"unknown fault {unknown[0]!r}; known: {', '.join(FAULT_KEYS)}", unknown[0]
+        )
+    if not body:
+        raise ApiError(400, f"expected at least one of {', '.join(FAULT_KEYS)}")
+    put: dict[str, str] = {}
+    drop: list[str] = []
+    if "load_delay_s" in body:
+        for m, v in _per_model(body, "load_delay_s").items():
+            field = f"load_delay_s:{m}"
+            secs = 0.0 if v is None else _number(v, f"load_delay_s.{m}", 86400)
+            if secs:
+                put[field] = repr(secs)
+            else:
+                drop.append(field)
+    if "fail_next_load" in body:
+        v = body["fail_next_load"]
+        if v in (None, "", False):
+            drop.append("fail_next_load")
+        else:
+            put["fail_next_load"] = _name(v, "fail_next_load")
+    if "memory_pressure" in body:
+        v = body["memory_pressure"]
+        frac = 0.0 if v is None else _number(v, "memory_pressure", 1)
+        if frac:
+            put["memory_pressure"] = repr(frac)
+        else:
+            drop.append("memory_pressure")
+    if "hold" in body:
+        for m, v in _per_model(body, "hold").items():
+            if v is not None and not isinstance(v, bool):
+                raise bad_request(f"'hold.{m}' must be a boolean", f"hold.{m}")
+            if v:
+                put[f"hold:{m}"] = "1"
+            else:
+                drop.append(f"hold:{m}")
+    return put, drop

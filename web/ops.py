@@ -1,0 +1,97 @@
+"""Operations endpoints: liveness, readiness, the health record and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from flask import Blueprint, Response, jsonify
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from residency import keys
+from residency.metrics import RedisCollector
+from web.state import state
+
+bp = Blueprint("ops", __name__)
+
+RETRY_AFTER_S = 2
+
+
+def _unavailable(body: dict[str, Any]) -> Response:
+    resp = jsonify(body)
+    resp.status_code = 503
+    resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return resp
+
+
+@bp.get("/livez")
+def livez() -> Any:
+    return jsonify({"status": "ok"})
+
+
+def _not_ready_reasons(r: redis.Redis) -> list[str]:
+    try:
+        pipe = r.pipeline(transaction=False)
+        pipe.ping()
+        pipe.exists(keys.leader())
+        pipe.smembers(keys.workers())
+        _pong, leader, hosts = pipe.execute()
+        reasons = [] if leader else ["no coordinator leader"]
+        alive = 0
+        if hosts:
+            check = r.pipeline(transaction=False)
+            for h in sorted(hosts):
+                check.exists(keys.worker(h))
+            alive = sum(check.execute())
+        if not alive:
+            reasons.append("no live worker agent")
+        return reasons
+    except redis.RedisError as e:
+        return [f"Redis unreachable: {e.__class__.__name__}"]
+
+
+@bp.get("/readyz")
+def readyz() -> Any:
+    reasons = _not_ready_reasons(state().r)
+    if reasons:
+        return _unavailable({"status": "not_ready", "reasons": reasons})
+    return jsonify({"status": "ready"})
+
+
+@bp.get("/health")
+def health() -> Any:
+    # One HGETALL: the record and its generation come from the same published snapshot.
+    h = state().r.hgetall(keys.health())
+    raw = h.get("record") if isinstance(h, dict) else None
+    if not raw:
+        return _unavailable({"status": "starting"})
+    record = json.loads(raw)
+    record["generation"] = int(h.get("generation") or record.get("generation") or 0)
+    return jsonify(record)
+
+
+class _Forward(Collector):
+    """Exposes an existing registry inside a fresh one (so per-request collectors never get
+    registered twice on the process-wide default registry)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.source.collect()
+
+
+@bp.get("/metrics")
+def metrics() -> Any:
+    reg = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(reg)
+    else:
+        reg.register(_Forward(REGISTRY))
+    reg.register(RedisCollector(state().r))
+    return Response(generate_latest(reg), mimetype=None, content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,71 @@
+"""Running the web role under gunicorn, started from Python (``residency web`` / ``up``).
+
+The caller sets ``PROMETHEUS_MULTIPROC_DIR`` (to an emptied ``box.metrics_dir``) before
+prometheus_client is first imported, so every worker writes its metrics where ``/metrics`` of any
+worker aggregates them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from residency.box import Box
+
+GRACEFUL_TIMEOUT_S = 10
+
+
+def _child_exit(_server: Any, worker: Any) -> None:
+    """Runs in the master: drop the dead worker's live gauges from the aggregate."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
+class WebServer(BaseApplication):
+    def __init__(self, box: Box, options: dict[str, Any]) -> None:
+        self.box = box
+        self.options = options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        # Called in each worker after fork (preload_app is off), so Redis clients, threads and
+        # metric files belong to the worker that uses them.
+        from web.app import create_app
+
+        return create_app(self.box)
+
+
+def options(
+    host: str, port: int, workers: int, threads: int, *, access_log: bool = False
+) -> dict[str, Any]:
+    return {
+        "bind": [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"],
+        "workers": workers,
+        "threads": threads,
+        "worker_class": "gthread",
+        "preload_app": False,
+        # gunicorn >= 25 opens a control socket under $XDG_RUNTIME_DIR or $HOME by default.
+        "control_socket_disable": True,
+        "graceful_timeout": GRACEFUL_TIMEOUT_S,
+        "accesslog": "-" if access_log else None,
+        "child_exit": _child_exit,
+        "proc_name": "residency-web",
+        # Streams hold a thread for as long as they run; the gthread heartbeat does not depend
+        # on request length, so the worker timeout stays gunicorn's default.
+        "keepalive": 5,
+    }
+
+
+def run(
+    box: Box, host: str, port: int, workers: int, threads: int, *, access_log: bool = False
+) -> None:
+    """Serve until SIGTERM/SIGINT (blocks)."""
+    WebServer(box, options(host, port, workers, threads, access_log=access_log)).run()

@@ -1,0 +1,437 @@
+"""Validation of OpenAI request bodies: pure functions, no Flask and no Redis.
+
+Each ``validate_*`` takes the decoded JSON body and returns a ``Validated``: the model name, the
+keyword arguments for llama-cpp-python (``create_chat_completion`` / ``create_completion``; for
+embeddings ``{"input": [...]}``) and whether the client asked for a stream. Anything wrong raises
+a 400 ``ApiError`` whose ``param`` names the field, e.g. ``messages[1].content``.
+
+Only what the client sent is passed on (no defaults are injected): llama-cpp-python's own
+defaults apply otherwise. OpenAI fields that have no meaning here (``user``, ``metadata``,
+``stream_options``, ``parallel_tool_calls``, ``store``…) are accepted and ignored, because the
+official clients send some of them on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from residency.errors import ApiError, bad_request
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_STOP = 4
+_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call")
+
+# Sampling parameters shared by chat and completions: name -> (lo, hi, integer).
+_SAMPLING: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, False),
+    "min_p": (0.0, 1.0, False),
+    "typical_p": (0.0, 1.0, False),
+    "top_k": (0.0, 1e9, True),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "repeat_penalty": (0.0, 10.0, False),
+}
+
+
+@dataclass(frozen=True)
+class Validated:
+    model: str
+    params: dict[str, Any]
+    stream: bool
+    #: Options the web layer itself applies to the answer (e.g. embeddings' encoding_format).
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int | float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def _is_number(v: Any) -> bool:
+    # bool is an int subclass in Python, but JSON true is not a number.
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _wrong_type(param: str, expected: str, got: Any) -> ApiError:
+    return bad_request(
+        f"'{param}' must be {expected}, got {_type_name(got)}", param, "invalid_type"
+    )
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    if "model" not in body or body["model"] is None:
+        raise bad_request("you must provide a model parameter", "model", "missing_required")
+    m = body["model"]
+    if not isinstance(m, str):
+        raise _wrong_type("model", "a string", m)
+    if not m.strip():
+        raise bad_request("'model' must not be empty", "model")
+    return m
+
+
+def _stream(body: Mapping[str, Any]) -> bool:
+    s = body.get("stream")
+    if s is None:
+        return False
+    if not isinstance(s, bool):
+        raise _wrong_type("stream", "a boolean", s)
+    return s
+
+
+def _number(body: Mapping[str, Any], key: str, lo: float, hi: float, integer: bool) -> Any:
+    v = body[key]
+    if integer and not _is_int(v):
+        raise _wrong_type(key, "an integer", v)
+    if not _is_number(v):
+        raise _wrong_type(key, "a number", v)
+    if not lo <= v <= hi:
+        bounds = f">= {lo:g}" if hi >= 1e9 else f"between {lo:g} and {hi:g}"
+        raise bad_request(f"'{key}' must be {bounds}, got {v}", key, "invalid_value")
+    return v
+
+
+def _n(body: Mapping[str, Any]) -> None:
+    n = body.get("n")
+    if n is None:
+        return
+    if not _is_int(n):
+        raise _wrong_type("n", "an integer", n)
+    if n != 1:
+        raise bad_request(f"'n' must be 1 (only one choice per request), got {n}", "n")
+
+
+def _max_tokens(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    """``max_completion_tokens`` is the newer name of ``max_tokens``; both may not disagree."""
+    seen: dict[str, int] = {}
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is None:
+            continue
+        if not _is_int(v):
+            raise _wrong_type(key, "an integer", v)
+        if v < 1:
+            raise bad_request(f"'{key}' must be >= 1, got {v}", key, "invalid_value")
+        seen[key] = v
+    if len(set(seen.values())) > 1:
+        raise bad_request(
+            "'max_tokens' and 'max_completion_tokens' disagree; send one of them",
+            "max_completion_tokens",
+        )
+    if seen:
+        params["max_tokens"] = next(iter(seen.values()))
+
+
+def _stop(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    stop = body.get("stop")
+    if stop is None:
+        return
+    if isinstance(stop, str):
+        params["stop"] = [stop]
+        return
+    if not isinstance(stop, list):
+        raise _wrong_type("stop", "a string or an array of strings", stop)
+    if len(stop) > MAX_STOP:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP} sequences", "stop")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise _wrong_type(f"stop[{i}]", "a string", s)
+    params["stop"] = list(stop)
+
+
+def _seed(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    seed = body.get("seed")
+    if seed is None:
+        return
+    if not _is_int(seed):
+        raise _wrong_type("seed", "an integer", seed)
+    params["seed"] = seed
+
+
+def _logit_bias(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    lb = body.get("logit_bias")
+    if lb is None:
+        return
+    if not isinstance(lb, dict):
+        raise _wrong_type("logit_bias", "an object of token id -> bias", lb)
+    out: dict[str, float] = {}
+    for k, v in lb.items():
+        p = f"logit_bias.{k}"
+        try:
+            tok = int(k)
+        except ValueError:
+            raise bad_request(f"'{p}': keys must be token ids (integers)", p) from None
+        if not _is_number(v) or not -100 <= v <= 100:
+            raise bad_request(f"'{p}' must be a number between -100 and 100", p)
+        out[str(tok)] = float(v)
+    params["logit_bias"] = out
+
+
+def _sampling(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    for key, (lo, hi, integer) in _SAMPLING.items():
+        if body.get(key) is not None:
+            params[key] = _number(body, key, lo, hi, integer)
+    _max_tokens(body, params)
+    _stop(body, params)
+    _seed(body, params)
+    _logit_bias(body, params)
+
+
+# --- chat -----------------------------------------------------------------------------------
+
+
+def _content_parts(parts: list[Any], param: str) -> str | list[dict[str, Any]]:
+    """Text-only part lists become one string: llama.cpp chat templates expect a string."""
+    if not parts:
+        raise bad_request(f"'{param}' must not be an empty array", param)
+    texts: list[str] = []
+    for j, part in enumerate(parts):
+        pp = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _wrong_type(pp, "an object", part)
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise _wrong_type(f"{pp}.text", "a string", part.get("text"))
+            texts.append(part["text"])
+        elif kind == "image_url":
+            iu = part.get("image_url")
+            url = iu.get("url") if isinstance(iu, dict) else iu
+            if not isinstance(url, str):
+                raise _wrong_type(f"{pp}.image_url.url", "a string", url)
+        else:
+            raise bad_request(
+                f"'{pp}.type' must be 'text' or 'image_url', got {kind!r}", f"{pp}.type"
+            )
+    if len(texts) == len(parts):
+        return "\n".join(texts)
+    return parts
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _wrong_type(p, "an object", m)
+    role = m.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad_request(
+            f"'{p}.role' must be one of {', '.join(sorted(ROLES))}, got {role!r}", f"{p}.role"
+        )
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = m.get("content")
+    has_calls = role == "assistant" and bool(m.get("tool_calls") or m.get("function_call"))
+    if content is None:
+        if not has_calls:
+            raise bad_request(f"'{p}.content' is required", f"{p}.content", "missing_required")
+    elif isinstance(content, list):
+        content = _content_parts(content, f"{p}.content")
+    elif not isinstance(content, str):
+        raise _wrong_type(f"{p}.content", "a string or an array of content parts", content)
+    out["content"] = content
+    if m.get("name") is not None and not isinstance(m["name"], str):
+        raise _wrong_type(f"{p}.name", "a string", m["name"])
+    if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+        raise _wrong_type(f"{p}.tool_calls", "an array", m["tool_calls"])
+    if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+        raise _wrong_type(f"{p}.tool_call_id", "a string", m["tool_call_id"])
+    for key in _MESSAGE_KEYS:
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
+def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _wrong_type("tools", "an array", tools)
+        for i, t in enumerate(tools):
+            p = f"tools[{i}]"
+            if not isinstance(t, dict) or t.get("type") != "function":
+                raise bad_request(f"'{p}' must be an object with type 'function'", p)
+            fn = t.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad_request(f"'{p}.function.name' must be a string", f"{p}.function.name")
+        if tools:
+            params["tools"] = tools
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request(
+                f"'tool_choice' must be 'none', 'auto', 'required' or an object, got {choice!r}",
+                "tool_choice",
+            )
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("'tool_choice.function.name' must be a string", "tool_choice")
+        names = {t["function"]["name"] for t in params.get("tools", [])}
+        if fn["name"] not in names:
+            raise bad_request(
+                f"'tool_choice' names {fn['name']!r}, which is not in 'tools'", "tool_choice"
+            )
+    else:
+        raise _wrong_type("tool_choice", "a string or an object", choice)
+    params["tool_choice"] = choice
+
+
+def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    """llama-cpp-python knows only ``json_object`` (optionally with ``schema``); OpenAI's
+    ``json_schema`` form is translated to it so that structured outputs are enforced."""
+    rf = body.get("response_format")
+    if rf is None:
+        return
+    if not isinstance(rf, dict):
+        raise _wrong_type("response_format", "an object", rf)
+    kind = rf.get("type")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        out: dict[str, Any] = {"type": "json_object"}
+        if rf.get("schema") is not None:
+            if not isinstance(rf["schema"], dict):
+                raise _wrong_type("response_format.schema", "an object", rf["schema"])
+            out["schema"] = rf["schema"]
+        params["response_format"] = out
+        return
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise bad_request(
+                "'response_format.json_schema.schema' must be an object",
+                "response_format.json_schema.schema",
+            )
+        params["response_format"] = {"type": "json_object", "schema": js["schema"]}
+        return
+    raise bad_request(
+        f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format.type",
+    )
+
+
+def _logprobs_chat(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    lp = body.get("logprobs")
+    if lp is not None:
+        if not isinstance(lp, bool):
+            raise _wrong_type("logprobs", "a boolean", lp)
+        params["logprobs"] = lp
+    if body.get("top_logprobs") is not None:
+        params["top_logprobs"] = _number(body, "top_logprobs", 0, 20, True)
+
+
+def validate_chat(body: Mapping[str, Any]) -> Validated:
+    model = _model(body)
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad_request("'messages' is required", "messages", "missing_required")
+    if not isinstance(msgs, list):
+        raise _wrong_type("messages", "an array", msgs)
+    if not msgs:
+        raise bad_request("'messages' must hold at least one message", "messages")
+    params: dict[str, Any] = {"messages": [_message(i, m) for i, m in enumerate(msgs)]}
+    _n(body)
+    _sampling(body, params)
+    _tools(body, params)
+    _response_format(body, params)
+    _logprobs_chat(body, params)
+    return Validated(model, params, _stream(body))
+
+
+# --- completions ----------------------------------------------------------------------------
+
+
+def validate_completion(body: Mapping[str, Any]) -> Validated:
+    model = _model(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required")
+    if isinstance(prompt, list):
+        # A batch of prompts would need n choices; one prompt in a list is fine.
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise bad_request(
+                "'prompt' must be a string (batches and token arrays are not supported)",
+                "prompt",
+                "unsupported",
+            )
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _wrong_type("prompt", "a string", prompt)
+    params: dict[str, Any] = {"prompt": prompt}
+    _n(body)
+    if body.get("best_of") not in (None, 1):
+        raise bad_request("'best_of' must be 1", "best_of", "unsupported")
+    suffix = body.get("suffix")
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise _wrong_type("suffix", "a string", suffix)
+        params["suffix"] = suffix
+    echo = body.get("echo")
+    if echo is not None:
+        if not isinstance(echo, bool):
+            raise _wrong_type("echo", "a boolean", echo)
+        params["echo"] = echo
+    if body.get("logprobs") is not None:
+        params["logprobs"] = _number(body, "logprobs", 0, 5, True)
+    _sampling(body, params)
+    return Validated(model, params, _stream(body))
+
+
+# --- embeddings -----------------------------------------------------------------------------
+
+
+def validate_embedding(body: Mapping[str, Any]) -> Validated:
+    model = _model(body)
+    inp = body.get("input")
+    if inp is None:
+        raise bad_request("'input' is required", "input", "missing_required")
+    items = [inp] if isinstance(inp, str) else inp
+    if not isinstance(items, list):
+        raise _wrong_type("input", "a string or an array of strings", inp)
+    if not items:
+        raise bad_request("'input' must not be empty", "input")
+    for i, s in enumerate(items):
+        p = f"input[{i}]" if isinstance(inp, list) else "input"
+        if _is_int(s) or isinstance(s, list):
+            raise bad_request(
+                "token arrays are not supported as embeddings input; send strings",
+                p,
+                "unsupported",
+            )
+        if not isinstance(s, str):
+            raise _wrong_type(p, "a string", s)
+        if not s:
+            raise bad_request(f"'{p}' must not be an empty string", p)
+    fmt = body.get("encoding_format")
+    if fmt is None:
+        fmt = "float"
+    if fmt not in ("float", "base64"):
+        raise bad_request(
+            f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format"
+        )
+    if body.get("dimensions") is not None:
+        raise bad_request(
+            "'dimensions' is not supported: the model's native size is returned",
+            "dimensions",
+            "unsupported",
+        )
+    return Validated(model, {"input": list(items)}, False, {"encoding_format": fmt})

@@ -1,0 +1,230 @@
+"""The worker agent: one per host. Registers the host, heartbeats, spawns one model process per
+load command, and reports every process that exits or stops owning its model.
+
+It never decides residency; it only carries out load commands and watches its children. A
+child whose model state is no longer its own (reaped, load timed out) is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import cast
+
+import redis
+
+from residency import keys, procs, work
+from residency.box import Box
+from residency.lua import Scripts
+from residency.messages import Event, EventType
+from residency.states import OCCUPYING, ModelState
+from workers import devices
+
+log = logging.getLogger("residency.agent")
+
+HEARTBEAT_S = 2.0
+COMMAND_WAIT_S = 0.5
+STOP_GRACE_S = 10.0
+EXIT_GRACE_S = 5.0  # a process that committed its unload gets this long to exit by itself
+
+
+@dataclass
+class Child:
+    model: str
+    token: str
+    device: str
+    proc: subprocess.Popen[bytes]
+    stop_sent_at: float = 0.0
+    disowned_at: float = 0.0
+
+
+class Agent:
+    def __init__(
+        self,
+        box: Box,
+        r: redis.Redis,
+        *,
+        host: str | None = None,
+        device_list: list[str] | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.box = box
+        self.r = r
+        self.scripts = Scripts(r)
+        self.host = host or box.environ.get("RESIDENCY_HOST") or socket.gethostname()
+        self.devices = device_list or devices.discover(dict(box.environ))
+        self.stop = stop or threading.Event()
+        self.children: dict[str, Child] = {}
+        self._last_beat = 0.0
+
+    # -- registration -----------------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        now = time.time()
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(
+            keys.worker(self.host),
+            mapping={
+                "devices": json.dumps(self.devices),
+                "memory_total": devices.memory_total(),
+                "pid": os.getpid(),
+                "last_heartbeat": now,
+            },
+        )
+        pipe.expire(keys.worker(self.host), keys.WORKER_TTL_S)
+        pipe.sadd(keys.workers(), self.host)
+        pipe.execute()
+        self._last_beat = now
+
+    def reconcile_on_start(self) -> None:
+        """Models this host held before the agent restarted have lost their processes (they die
+        with their parent): give their work back and free their slots."""
+        for k in self.r.scan_iter(match=keys.model_pattern(), count=1000):
+            name = str(k).removeprefix(keys.model(""))
+            h = cast(dict[str, str], self.r.hgetall(k))
+            if h.get("host") == self.host and ModelState(h.get("state", "unloaded")) in OCCUPYING:
+                self._release(name, h.get("token", ""), "agent restarted")
+
+    # -- loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        log.info("agent on %s with devices %s", self.host, self.devices)
+        self.heartbeat()
+        self.reconcile_on_start()
+        self.r.rpush(
+            keys.events(), json.dumps(Event(EventType.WORKER, "", {"host": self.host}).to_dict())
+        )
+        try:
+            while not self.stop.is_set():
+                try:
+                    if time.time() - self._last_beat >= HEARTBEAT_S:
+                        self.heartbeat()
+                    item = self.r.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
+                    if item is not None:
+                        self.handle(str(item[1]))
+                    self.watch_children()
+                except redis.RedisError as e:
+                    log.error("redis error in agent loop: %s", e)
+                    self.stop.wait(1.0)
+                except Exception:
+                    log.exception("agent loop iteration failed")
+                    self.stop.wait(0.5)
+        finally:
+            self.shutdown()
+
+    def handle(self, raw: str) -> None:
+        try:
+            cmd = json.loads(raw)
+        except ValueError:
+            log.error("dropping malformed command %r", raw)
+            return
+        if cmd.get("op") != "load":
+            log.error("unknown command %r", cmd.get("op"))
+            return
+        model, token, device = cmd["model"], cmd["token"], cmd["device"]
+        old = self.children.get(model)
+        if old is not None and old.proc.poll() is None:
+            # An older process of this model still runs (its state was taken from it): stop it
+            # before the new one starts, so one model never has two processes.
+            self._stop_child(old)
+        cores = devices.cpu_affinity(device)
+        env = devices.child_env(device, dict(os.environ))
+        env["RESIDENCY_REDIS_URL"] = self.box.redis_url or ""
+        preexec = procs.die_with_parent()
+
+        def _preexec() -> None:
+            preexec()
+            if cores:
+                os.sched_setaffinity(0, cores)
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.model_process", "--command", raw],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_preexec,
+        )
+        self.children[model] = Child(model, token, device, proc)
+        log.info("spawned %s (pid %d) on %s", model, proc.pid, device)
+
+    def watch_children(self) -> None:
+        if not self.children:
+            return
+        names = list(self.children)
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hmget(keys.model(n), ["state", "token"])
+        states = pipe.execute()
+        for n, (state, token) in zip(names, states, strict=True):
+            c = self.children[n]
+            code = c.proc.poll()
+            if code is not None:
+                del self.children[n]
+                self._release(n, c.token, f"process exited with {code}")
+                continue
+            if token == c.token and state in (s.value for s in OCCUPYING):
+                continue
+            if token == c.token and state == ModelState.UNLOADED.value:
+                # It committed its own unload and is exiting: give it time to do so.
+                c.disowned_at = c.disowned_at or time.monotonic()
+                if time.monotonic() - c.disowned_at < EXIT_GRACE_S:
+                    continue
+            if not c.stop_sent_at:
+                log.warning("%s (pid %d) no longer owns its state; stopping it", n, c.proc.pid)
+                c.stop_sent_at = time.monotonic()
+                c.proc.terminate()
+            elif time.monotonic() - c.stop_sent_at > STOP_GRACE_S:
+                c.proc.kill()
+
+    def _release(self, model: str, token: str, reason: str) -> None:
+        """A process of ``model`` (load ``token``) is gone: free its state if it still held it
+        and hand its in-flight requests back."""
+        state, cur = cast(list[str | None], self.r.hmget(keys.model(model), ["state", "token"]))
+        if cur != token or state in (None, ModelState.UNLOADED.value, ModelState.FAILED.value):
+            return  # committed its unload, or someone else already took over
+        dst = ModelState.FAILED if state == ModelState.LOADING.value else ModelState.UNLOADED
+        ok, _ = self.scripts.transition(
+            model,
+            dst,
+            token=token,
+            fields={"error": reason, "pid": None, "host": None, "device": None},
+        )
+        if ok:
+            work.hand_back(self.r, self.scripts, model, reason)
+            if dst is ModelState.FAILED:
+                self.r.rpush(
+                    keys.events(),
+                    json.dumps(Event(EventType.LOAD_FAILED, model, {"error": reason}).to_dict()),
+                )
+
+    def _stop_child(self, c: Child) -> None:
+        code = procs.terminate(c.proc, STOP_GRACE_S)
+        self._release(c.model, c.token, f"stopped with {code}")
+
+    def shutdown(self) -> None:
+        """Stop every model process (SIGTERM, then SIGKILL after the grace period) and hand
+        their work back, then deregister the host."""
+        children = list(self.children.values())
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.terminate()
+        for c in children:
+            try:
+                self._stop_child(c)
+            except redis.RedisError as e:
+                log.error("could not release %s: %s", c.model, e)
+        self.children.clear()
+        with contextlib.suppress(redis.RedisError):
+            self.r.delete(keys.worker(self.host))
+        log.info("agent stopped")
+
+
+def main(box: Box, stop: threading.Event) -> None:
+    Agent(box, box.redis(), stop=stop).run()

@@ -1,0 +1,291 @@
+"""One model process: loads one model on one device, serves its queue, drains on unload.
+
+Started by the agent as ``python -m workers.model_process`` with the load command as JSON on
+stdin-free argv. It owns the model's state only while its load token is the model's token: the
+moment another party takes the state (reaped, timed out), it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, cast
+
+import redis
+
+from residency import keys, metrics
+from residency.box import connect
+from residency.errors import ApiError
+from residency.lua import Scripts
+from residency.messages import Event, EventType, Kind, ReplyType, Request
+from residency.settings import ModelSpec
+from residency.states import ModelState
+from residency.work import add_reply
+from workers.faults import FaultyRuntime
+from workers.runtime import LlamaRuntime, Runtime
+
+log = logging.getLogger("residency.model")
+
+TAKE_WAIT_S = 0.25  # how long an idle process blocks on its queue before checking control
+OWNERSHIP_CHECK_S = 1.0
+FLUSH_EVERY_S = 0.02  # streamed chunks are batched at most this long after the first one
+
+
+class ModelProcess:
+    def __init__(
+        self,
+        r: redis.Redis,
+        *,
+        model: str,
+        token: str,
+        device: str,
+        spec: ModelSpec,
+        runtime: Runtime,
+        stop: threading.Event,
+    ) -> None:
+        self.r = r
+        self.scripts = Scripts(r)
+        self.model = model
+        self.token = token
+        self.device = device
+        self.spec = spec
+        self.runtime = runtime
+        self.stop = stop
+        self._idle_event = Event(EventType.IDLE, model).to_dict()
+
+    def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
+        return Event(kind, self.model, {"token": self.token, **data}).to_dict()
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(self) -> bool:
+        t0 = time.monotonic()
+        try:
+            self.runtime.load(self.spec, self.device)
+        except Exception as e:
+            msg = f"{type(e).__name__}: {e}"
+            log.error("load of %s failed: %s", self.model, msg)
+            self.scripts.transition(
+                self.model, ModelState.FAILED, token=self.token, fields={"error": msg[:500]}
+            )
+            pipe = self.r.pipeline(transaction=False)
+            metrics.inc(pipe, metrics.LOADS_TOTAL, {"model": self.model, "outcome": "error"})
+            pipe.rpush(keys.events(), json.dumps(self._event(EventType.LOAD_FAILED, error=msg)))
+            pipe.execute()
+            return False
+        seconds = time.monotonic() - t0
+        now = time.time()
+        ok, state = self.scripts.transition(
+            self.model,
+            ModelState.READY,
+            token=self.token,
+            fields={
+                "pid": os.getpid(),
+                "loaded_at": now,
+                "load_seconds": round(seconds, 4),
+                "last_used": now,
+                "loading_since": None,
+            },
+        )
+        if not ok:
+            log.warning("load of %s finished but the state is %s now; exiting", self.model, state)
+            return False
+        pipe = self.r.pipeline(transaction=False)
+        metrics.inc(pipe, metrics.LOADS_TOTAL, {"model": self.model, "outcome": "ok"})
+        metrics.observe(pipe, metrics.LOAD_SECONDS, {"model": self.model}, seconds)
+        pipe.rpush(keys.events(), json.dumps(self._event(EventType.READY)))
+        pipe.execute()
+        log.info("%s ready on %s in %.3fs", self.model, self.device, seconds)
+        return True
+
+    # -- serve ------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        next_check = time.monotonic() + OWNERSHIP_CHECK_S
+        while not self.stop.is_set():
+            raw = self.r.blmove(
+                keys.queue(self.model),
+                keys.processing(self.model),
+                TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
+                "RIGHT",
+                "LEFT",
+            )
+            if raw is not None:
+                self.handle(str(raw))
+            if self.check_control() == "unloaded":
+                return
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + OWNERSHIP_CHECK_S
+                if not self.owns_state():
+                    log.warning("%s: state no longer ours; exiting", self.model)
+                    return
+
+    def owns_state(self) -> bool:
+        state, token = cast(
+            list[str | None], self.r.hmget(keys.model(self.model), ["state", "token"])
+        )
+        return token == self.token and state in (ModelState.READY, ModelState.DRAINING)
+
+    def check_control(self) -> str | None:
+        raw = self.r.lpop(keys.control(self.model))
+        if raw is None:
+            return None
+        try:
+            cmd = json.loads(raw)  # type: ignore[arg-type]
+        except ValueError:
+            return None
+        if cmd.get("op") != "unload" or cmd.get("token") != self.token:
+            return None  # addressed to an earlier load of this model
+        res = self.scripts.try_unload(
+            self.model,
+            token=self.token,
+            unloaded_event=self._event(EventType.UNLOADED),
+            rescued_event=self._event(EventType.RESCUED),
+        )
+        log.info("%s: unload request -> %s", self.model, res)
+        return res
+
+    def handle(self, raw: str) -> None:
+        try:
+            req = Request.loads(raw)
+        except (ValueError, KeyError):
+            log.error("%s: dropping malformed request", self.model)
+            self.r.lrem(keys.processing(self.model), 1, raw)
+            return
+        try:
+            if not self.r.exists(keys.cancel(req.id)):
+                self.generate(req)
+        except ApiError as e:
+            self._reply(req.id, ReplyType.ERROR, e.to_reply())
+        except Exception as e:
+            log.exception("%s: request %s failed", self.model, req.id)
+            err = ApiError(500, f"generation failed: {e}", type="server_error", code="internal")
+            self._reply(req.id, ReplyType.ERROR, err.to_reply())
+        finally:
+            self.scripts.finish(self.model, raw, now=time.time(), idle_event=self._idle_event)
+
+    def _reply(self, req_id: str, kind: ReplyType, data: dict[str, Any]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        add_reply(pipe, req_id, kind, data)
+        pipe.execute()
+
+    def generate(self, req: Request) -> None:
+        if req.kind is Kind.EMBEDDING:
+            out = self.runtime.embed(list(req.params["input"]))
+            out["model"] = self.model
+            self._reply(req.id, ReplyType.DONE, out)
+            return
+        call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
+        result = call(req.params, req.stream)
+        if not req.stream:
+            assert isinstance(result, dict)
+            result["model"] = self.model
+            self._reply(req.id, ReplyType.DONE, result)
+            return
+        assert not isinstance(result, dict)
+        self.stream(req, result)
+
+    def stream(self, req: Request, chunks: Iterable[dict[str, Any]]) -> None:
+        """Forward chunks in small batches: the first at once (time to first token), then at
+        most every FLUSH_EVERY_S; each flush also reads the cancel flag in the same round trip,
+        so a client that went away stops the generation within one batch."""
+        batch: list[dict[str, Any]] = []
+        sent = 0
+        last_flush = 0.0
+        it = iter(chunks)
+        try:
+            for chunk in it:
+                if self.stop.is_set():
+                    raise ApiError(
+                        503,
+                        "the model process is stopping; retry the request",
+                        type="server_error",
+                        code="shutting_down",
+                        retry_after=1,
+                    )
+                chunk["model"] = self.model
+                batch.append(chunk)
+                now = time.monotonic()
+                if now - last_flush >= FLUSH_EVERY_S:
+                    last_flush = now
+                    if self._flush(req.id, batch):
+                        self._cancelled(req.id, sent)
+                        return
+                    sent += len(batch)
+                    batch = []
+            if batch:
+                self._flush(req.id, batch)
+            self._reply(req.id, ReplyType.DONE, {})
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # stops llama.cpp's generator at once when we leave early
+
+    def _cancelled(self, req_id: str, chunks_sent: int) -> None:
+        log.info("%s: request %s cancelled by its client", self.model, req_id)
+        pipe = self.r.pipeline(transaction=False)
+        metrics.inc(pipe, metrics.CANCELLED_TOTAL, {"model": self.model})
+        metrics.inc(pipe, metrics.CANCELLED_CHUNKS_TOTAL, {"model": self.model}, chunks_sent)
+        pipe.execute()
+
+    def _flush(self, req_id: str, batch: list[dict[str, Any]]) -> bool:
+        """Write a batch of chunks; returns True when the request was cancelled."""
+        pipe = self.r.pipeline(transaction=False)
+        add_reply(pipe, req_id, ReplyType.CHUNK, {"chunks": batch})
+        pipe.exists(keys.cancel(req_id))
+        return bool(pipe.execute()[-1])
+
+
+def build_runtime(
+    r: redis.Redis, model: str, fault_injection: bool, stop: threading.Event
+) -> Runtime:
+    rt: Runtime = LlamaRuntime()
+    return FaultyRuntime(rt, r, model, stop) if fault_injection else rt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="residency-model-process")
+    ap.add_argument("--command", required=True, help="the agent's load command (JSON)")
+    args = ap.parse_args(argv)
+    cmd = json.loads(args.command)
+    logging.basicConfig(
+        level=os.environ.get("RESIDENCY_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s model[{cmd['model']}] %(message)s",
+    )
+    stop = threading.Event()
+
+    def _on_term(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, _on_term)
+    r = connect(os.environ["RESIDENCY_REDIS_URL"])
+    spec = ModelSpec.model_validate(cmd["spec"])
+    proc = ModelProcess(
+        r,
+        model=cmd["model"],
+        token=cmd["token"],
+        device=cmd["device"],
+        spec=spec,
+        runtime=build_runtime(r, cmd["model"], bool(cmd.get("fault_injection")), stop),
+        stop=stop,
+    )
+    if not proc.load():
+        return 1
+    try:
+        proc.serve()
+    finally:
+        proc.runtime.close()
+    # Exiting without committing an unload (SIGTERM) leaves the state to the agent, which hands
+    # any in-flight request back to the queue.
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
