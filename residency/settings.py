@@ -299,11 +299,12 @@ def validate_patch(current: Settings, patch: Mapping[str, Any]) -> dict[str, Any
                 problems[dotted] = "takes effect only at restart; change it in the config file"
             else:
                 flat[dotted] = v
-    if not problems:
-        try:
-            build(current.model_dump(), unflatten(flat))
-        except SettingsError as e:
-            problems.update(e.problems)
+    # Values of the known keys are checked even when other keys are bad, so one answer names
+    # every problem.
+    try:
+        build(current.model_dump(), unflatten(flat))
+    except SettingsError as e:
+        problems.update(e.problems)
     if problems:
         raise SettingsError(problems, "admin")
     return flat

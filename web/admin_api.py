@@ -18,7 +18,12 @@ from residency import errors, keys, registry
 from residency.box import ConfigStore, audit
 from residency.errors import ApiError
 from residency.messages import Event, EventType
-from residency.settings import ModelSpec, SettingsError, check_model_name, validate_patch
+from residency.settings import (
+    ModelSpec,
+    SettingsError,
+    check_model_name,
+    validate_patch,
+)
 from web.body import read_json
 from web.faults import parse_faults
 from web.responses import settings_error
@@ -45,6 +50,12 @@ def _actor() -> str:
     return f"admin@{request.remote_addr or '-'}"
 
 
+def _changed(generation: int) -> int:
+    # Refresh this worker's cache now, so its next request already sees the change.
+    state().at(generation)
+    return generation
+
+
 # --- config -----------------------------------------------------------------------------------
 
 
@@ -64,11 +75,12 @@ def get_config() -> Any:
 def patch_config() -> Any:
     st = state()
     body = read_json()
+    current = st.refresh().settings
     try:
-        flat = validate_patch(st.refresh().settings, body)
+        flat = validate_patch(current, body)
     except SettingsError as e:
         return settings_error(e)
-    gen = ConfigStore(st.box, st.r).apply_patch(flat, _actor())
+    gen = _changed(ConfigStore(st.box, st.r).apply_patch(flat, _actor()))
     return jsonify({"updated": flat, "generation": gen})
 
 
@@ -143,7 +155,7 @@ def put_model(name: str) -> Any:
         raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
     existed = registry.get(st.r, name) is not None
     entry = registry.Entry(name, spec.model_copy(update={"path": resolved}), "admin")
-    gen = registry.put(st.r, entry, _actor())
+    gen = _changed(registry.put(st.r, entry, _actor()))
     resp = jsonify({"model": entry.public(), "generation": gen})
     resp.status_code = 200 if existed else 201
     return resp
@@ -161,15 +173,18 @@ def delete_model(name: str) -> Any:
             param="name",
             code="defined_in_file",
         )
-    gen = registry.delete(st.r, name, _actor())
+    gen = _changed(registry.delete(st.r, name, _actor()))
     return jsonify({"deleted": name, "generation": gen})
 
 
-def _request_residency(name: str, what: str, event: Event) -> Response:
+def _request_residency(name: str, what: str) -> Response:
+    """Record the wish in the ``explicit`` hash (it survives a coordinator restart) and wake the
+    coordinator; it carries the wish out under the pool rules and then clears it."""
     st = state()
     _entry(name)
     pipe = st.r.pipeline(transaction=True)
-    pipe.rpush(keys.events(), json.dumps(event.to_dict()))
+    pipe.hset(keys.explicit(), name, what)
+    pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG, name, {what: True}).to_dict()))
     audit(pipe, _actor(), f"model.{what}", {"name": name})
     pipe.execute()
     resp = jsonify({"model": name, "requested": what})
@@ -179,12 +194,12 @@ def _request_residency(name: str, what: str, event: Event) -> Response:
 
 @bp.post("/models/<name>/load")
 def load_model(name: str) -> Any:
-    return _request_residency(name, "load", Event(EventType.DEMAND, name, {"explicit": True}))
+    return _request_residency(name, "load")
 
 
 @bp.post("/models/<name>/unload")
 def unload_model(name: str) -> Any:
-    return _request_residency(name, "unload", Event(EventType.CONFIG, name, {"unload": True}))
+    return _request_residency(name, "unload")
 
 
 @bp.post("/models/<name>/pin")
@@ -195,7 +210,7 @@ def pin_model(name: str) -> Any:
     pinned = body.get("pinned")
     if not isinstance(pinned, bool):
         raise errors.bad_request("'pinned' must be a boolean", "pinned")
-    gen = registry.set_pinned(st.r, entry, pinned, _actor())
+    gen = _changed(registry.set_pinned(st.r, entry, pinned, _actor()))
     return jsonify({"model": name, "pinned": pinned, "generation": gen})
 
 

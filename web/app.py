@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import redis
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from residency import errors
@@ -46,7 +46,7 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(RequestEntityTooLarge)
     def _too_large(e: RequestEntityTooLarge) -> Response:
-        return error_response(too_large(request.max_content_length or 0))
+        return error_response(too_large(g.get("body_limit") or request.max_content_length or 0))
 
     @app.errorhandler(HTTPException)
     def _http(e: HTTPException) -> Response:
@@ -66,11 +66,19 @@ def _register_errors(app: Flask) -> None:
 
 def _limit_body() -> None:
     """Set the body limit before anything reads the body: Werkzeug then enforces it on read
-    (chunked bodies included); a declared Content-Length over it is refused at once."""
+    (chunked bodies included); a declared Content-Length over it is refused at once.
+
+    The limit comes from the cached settings, without a Redis round trip (an API request's one
+    round trip needs the model name from the body). A lowered limit is re-checked against fresh
+    settings after that round trip; a raised one applies from the next request of the worker.
+    """
     if request.method not in ("POST", "PUT", "PATCH"):
         return
     limit = state().cached().settings.server.max_request_bytes
-    request.max_content_length = limit
+    g.body_limit = limit
+    # One byte more than the limit: Werkzeug's reader stops silently *at* its maximum on a
+    # chunked body (no 413), so read_json needs to see the extra byte to tell "too large".
+    request.max_content_length = limit + 1
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, NoReturn
 
-from flask import request
+from flask import g, request
 
 from residency.errors import ApiError, bad_request
 
@@ -25,8 +25,11 @@ def _no_constants(name: str) -> NoReturn:
 def read_json() -> dict[str, Any]:
     """The body as a JSON object. The size limit was set on the request by the app's
     before_request hook; Werkzeug enforces it while reading, also for bodies without a
-    Content-Length (chunked), and raises 413."""
+    Content-Length (chunked), and raises 413. The body's size is kept in ``g.body_bytes`` so
+    that it can be checked again once fresh settings are known (see ``check_size``)."""
     raw = request.get_data(cache=False)
+    g.body_bytes = len(raw)
+    check_size(g.get("body_limit"))
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -36,3 +39,11 @@ def read_json() -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return body
+
+
+def check_size(limit: int | None) -> None:
+    """413 if the body read exceeds ``limit``. Called after reading, and again by the API once
+    the request's round trip brought fresh settings (the limit used while reading came from the
+    cache, and a lowered ``server.max_request_bytes`` must apply at once)."""
+    if limit is not None and g.get("body_bytes", 0) > limit:
+        raise too_large(limit)

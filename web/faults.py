@@ -3,7 +3,8 @@
 Field names are the contract with the model processes that read them: ``load_delay_s:<model>``
 (seconds), ``fail_next_load`` (model name), ``memory_pressure`` (fraction 0..1) and
 ``hold:<model>`` ("1" while that model's process must hold every generation before its first
-token). A false, zero or null value deletes the field, so a test can undo what it set.
+token) and ``token_delay_s:<model>`` (seconds added before each streamed chunk). A false, zero
+or null value deletes the field, so a test can undo what it set.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from residency.errors import ApiError, bad_request
 from residency.settings import check_model_name
 
-FAULT_KEYS = ("load_delay_s", "fail_next_load", "memory_pressure", "hold")
+FAULT_KEYS = ("load_delay_s", "fail_next_load", "memory_pressure", "hold", "token_delay_s")
 
 
 def _name(name: Any, param: str) -> str:
@@ -53,10 +54,12 @@ def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
         raise ApiError(400, f"expected at least one of {', '.join(FAULT_KEYS)}")
     put: dict[str, str] = {}
     drop: list[str] = []
-    if "load_delay_s" in body:
-        for m, v in _per_model(body, "load_delay_s").items():
-            field = f"load_delay_s:{m}"
-            secs = 0.0 if v is None else _number(v, f"load_delay_s.{m}", 86400)
+    for key in ("load_delay_s", "token_delay_s"):
+        if key not in body:
+            continue
+        for m, v in _per_model(body, key).items():
+            field = f"{key}:{m}"
+            secs = 0.0 if v is None else _number(v, f"{key}.{m}", 86400)
             if secs:
                 put[field] = repr(secs)
             else:

@@ -17,7 +17,7 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from residency.registry import Entry, all_entries
 from web import bus, validation
-from web.body import read_json
+from web.body import check_size, read_json
 from web.state import State, state
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ def _resolve(st: State, model: str, kind: Kind) -> tuple[Entry, int, float]:
             "wrong_model_type",
         )
     srv, pool = view.settings.server, view.settings.pool
+    check_size(srv.max_request_bytes)
     return entry, pool.max_queue_per_model, srv.request_timeout_s
 
 

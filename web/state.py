@@ -72,7 +72,8 @@ class State:
                 self._view = view
         return view
 
-    def _at(self, generation: int) -> View:
+    def at(self, generation: int) -> View:
+        """The view for ``generation`` (after this process changed the settings itself)."""
         v = self._view
         if v is not None and v.generation == generation:
             return v
@@ -85,7 +86,7 @@ class State:
 
     def refresh(self) -> View:
         """One GET of the generation; reloads the settings only if it moved."""
-        return self._at(int(self.r.get(keys.generation()) or 0))
+        return self.at(int(self.r.get(keys.generation()) or 0))
 
     def lookup(self, model: str) -> tuple[View, Entry | None]:
         """Settings and the model's registry entry in one pipelined round trip."""
@@ -93,7 +94,7 @@ class State:
         pipe.get(keys.generation())
         pipe.hget(keys.registry(), model)
         gen, raw = pipe.execute()
-        view = self._at(int(gen or 0))
+        view = self.at(int(gen or 0))
         return view, Entry.loads(model, raw) if raw else None
 
     # --- admin key ---------------------------------------------------------------------------

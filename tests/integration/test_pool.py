@@ -31,8 +31,9 @@ def chat(c: FlaskClient, model: str, **kw: Any) -> Any:
 
 
 def loads(pool: Pool, model: str) -> int:
-    field = f'residency_model_loads_total|{json.dumps({"model": model, "outcome": "ok"}, sort_keys=True, separators=(",", ":"))}'
-    return int(float(pool.r.hget(keys.metric_counters(), field) or 0))
+    labels = json.dumps({"model": model, "outcome": "ok"}, sort_keys=True, separators=(",", ":"))
+    raw = pool.r.hget(keys.metric_counters(), f"residency_model_loads_total|{labels}")
+    return int(float(str(raw or 0)))
 
 
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -186,3 +187,14 @@ def test_killed_model_process_is_replaced(start_pool: Callable[..., Pool], sig: 
     pool.wait_for(lambda: pool.state("a") == "unloaded", what="a reaped")
     assert chat(c, "a").status_code == 200
     assert pool.pid("a") not in (None, pid)
+
+
+def test_admin_load_and_unload(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool(pool={"max_loaded_models": 2})
+    c = client_for(pool)
+    assert c.post("/admin/models/b/load", headers=ADMIN).status_code == 202
+    pool.wait_for(lambda: pool.state("b") == "ready", what="b loaded by the admin")
+    assert c.post("/admin/models/b/unload", headers=ADMIN).status_code == 202
+    pool.wait_for(lambda: pool.state("b") == "unloaded", what="b unloaded by the admin")
+    pool.wait_for(lambda: not pool.r.hexists(keys.explicit(), "b"), what="wish cleared")
+    assert loads(pool, "b") == 1

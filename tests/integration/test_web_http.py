@@ -52,7 +52,8 @@ def box(tmp_path: Path, web_redis_url: str) -> Box:
         data_dir=tmp_path,
         config_path=None,
         redis_url=web_redis_url,
-        environ={"RESIDENCY_ADMIN_KEY": ADMIN},
+        # A short reply timeout, so that a test whose fake model never answers fails fast.
+        environ={"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "10"},
     )
     b.models_dir.mkdir(parents=True)
     (b.models_dir / "tiny.gguf").write_bytes(b"GGUF")
@@ -88,12 +89,13 @@ def assert_envelope(resp: Any, status: int, code: str | None = None) -> dict[str
     return dict(err)
 
 
+Script = Callable[[redis.Redis, Request], None]
+
+
 class FakeModel(threading.Thread):
     """Serves exactly one request of ``model`` with ``script(r, request)``."""
 
-    def __init__(
-        self, rc: redis.Redis, model: str, script: Callable[[redis.Redis, Request], None]
-    ) -> None:
+    def __init__(self, rc: redis.Redis, model: str, script: Script) -> None:
         super().__init__(daemon=True)
         self.rc, self.model, self.script = rc, model, script
         self.request: Request | None = None
@@ -104,6 +106,22 @@ class FakeModel(threading.Thread):
             return
         self.request = Request.loads(got[1])
         self.script(self.rc, self.request)
+
+
+@pytest.fixture
+def serve(rc: redis.Redis) -> Iterator[Callable[[str, Script], FakeModel]]:
+    """Starts fake model threads; joins them before the Redis client closes."""
+    started: list[FakeModel] = []
+
+    def start(model: str, script: Script) -> FakeModel:
+        fake = FakeModel(rc, model, script)
+        fake.start()
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        fake.join(10)
 
 
 def chunk(text: str) -> dict[str, Any]:
@@ -160,17 +178,25 @@ def test_oversized_body_is_413(client: FlaskClient) -> None:
     assert_envelope(client.post("/v1/chat/completions", json=big), 413, "request_too_large")
 
 
-def test_oversized_chunked_body_is_413(client: FlaskClient) -> None:
-    """No Content-Length (chunked upload): the limit is enforced while reading."""
+def body_of_size(n: int) -> bytes:
+    raw = json.dumps({**CHAT, "model": "nope", "messages": [{"role": "user", "content": ""}]})
+    pad = n - len(raw.encode())
+    return raw.replace('"content": ""', '"content": "' + "x" * pad + '"').encode()
+
+
+@pytest.mark.parametrize(("size", "status"), [(2048, 404), (2049, 413), (9000, 413)])
+def test_chunked_body_limit(client: FlaskClient, size: int, status: int) -> None:
+    """No Content-Length (chunked upload): the limit is enforced while reading, to the byte."""
     patch(client, {"server": {"max_request_bytes": 2048}})
-    raw = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}).encode()
+    raw = body_of_size(size)
+    assert len(raw) == size
     resp = client.post(
         "/v1/chat/completions",
         input_stream=io.BytesIO(raw),
         environ_overrides={"wsgi.input_terminated": True},
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
     )
-    assert_envelope(resp, 413, "request_too_large")
+    assert_envelope(resp, status)
 
 
 def test_unknown_path_and_method_are_envelopes(client: FlaskClient) -> None:
@@ -188,14 +214,13 @@ def test_wrong_model_type_is_400(client: FlaskClient) -> None:
 # --- the reply bus --------------------------------------------------------------------------
 
 
-def test_non_stream_round_trip(client: FlaskClient, rc: redis.Redis) -> None:
+def test_non_stream_round_trip(client: FlaskClient, rc: redis.Redis, serve: Any) -> None:
     answer = {"id": "x", "object": "chat.completion", "model": "/path/tiny.gguf", "choices": []}
 
     def script(r: redis.Redis, req: Request) -> None:
         add_reply(r, req.id, ReplyType.DONE, answer)
 
-    fake = FakeModel(rc, "tiny", script)
-    fake.start()
+    fake = serve("tiny", script)
     resp = client.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 5})
     fake.join(5)
     assert resp.status_code == 200
@@ -209,14 +234,13 @@ def test_non_stream_round_trip(client: FlaskClient, rc: redis.Redis) -> None:
     assert 'residency_time_to_first_token_seconds_count{model="tiny"}' in text
 
 
-def test_stream_round_trip(client: FlaskClient, rc: redis.Redis) -> None:
+def test_stream_round_trip(client: FlaskClient, rc: redis.Redis, serve: Any) -> None:
     def script(r: redis.Redis, req: Request) -> None:
         add_reply(r, req.id, ReplyType.CHUNK, {"chunks": [chunk("a"), chunk("b")]})
         add_reply(r, req.id, ReplyType.CHUNK, {"chunks": [chunk("c")]})
         add_reply(r, req.id, ReplyType.DONE, {})
 
-    fake = FakeModel(rc, "tiny", script)
-    fake.start()
+    serve("tiny", script)
     resp = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert resp.status_code == 200
     assert resp.mimetype == "text/event-stream"
@@ -228,23 +252,23 @@ def test_stream_round_trip(client: FlaskClient, rc: redis.Redis) -> None:
     assert all(e["model"] == "tiny" for e in events[:-1])
 
 
-def test_error_before_first_chunk_keeps_status(client: FlaskClient, rc: redis.Redis) -> None:
+def test_error_before_first_chunk_keeps_status(
+    client: FlaskClient, rc: redis.Redis, serve: Any
+) -> None:
     def script(r: redis.Redis, req: Request) -> None:
         add_reply(r, req.id, ReplyType.ERROR, slots_pinned("tiny", "llm").to_reply())
 
-    fake = FakeModel(rc, "tiny", script)
-    fake.start()
+    serve("tiny", script)
     resp = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert_envelope(resp, 409, "slots_pinned")
 
 
-def test_error_mid_stream_is_an_event(client: FlaskClient, rc: redis.Redis) -> None:
+def test_error_mid_stream_is_an_event(client: FlaskClient, rc: redis.Redis, serve: Any) -> None:
     def script(r: redis.Redis, req: Request) -> None:
         add_reply(r, req.id, ReplyType.CHUNK, {"chunks": [chunk("a")]})
         add_reply(r, req.id, ReplyType.ERROR, ApiError(500, "model crashed").to_reply())
 
-    fake = FakeModel(rc, "tiny", script)
-    fake.start()
+    serve("tiny", script)
     resp = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     events = sse_events(resp.get_data(as_text=True))
     assert events[0]["choices"][0]["delta"]["content"] == "a"
@@ -252,15 +276,14 @@ def test_error_mid_stream_is_an_event(client: FlaskClient, rc: redis.Redis) -> N
     assert events[2] == "[DONE]"
 
 
-def test_client_disconnect_cancels(client: FlaskClient, rc: redis.Redis) -> None:
+def test_client_disconnect_cancels(client: FlaskClient, rc: redis.Redis, serve: Any) -> None:
     stop = threading.Event()
 
     def script(r: redis.Redis, req: Request) -> None:
         add_reply(r, req.id, ReplyType.CHUNK, {"chunks": [chunk("a")]})
         stop.wait(10)
 
-    fake = FakeModel(rc, "tiny", script)
-    fake.start()
+    fake = serve("tiny", script)
     resp = client.post("/v1/chat/completions", json={**CHAT, "stream": True}, buffered=False)
     first = next(iter(resp.response))
     assert b'"a"' in first
@@ -291,15 +314,14 @@ def test_timeout_is_503_and_dequeues(client: FlaskClient, rc: redis.Redis) -> No
     assert {"type": "demand", "model": "tiny", "data": {}} in events
 
 
-def test_embeddings_base64(client: FlaskClient, rc: redis.Redis) -> None:
+def test_embeddings_base64(client: FlaskClient, rc: redis.Redis, serve: Any) -> None:
     answer = {"object": "list", "model": "p", "data": [{"index": 0, "embedding": [1.0, -2.0]}]}
 
     def script(r: redis.Redis, req: Request) -> None:
         assert req.params == {"input": ["hello"]}
         add_reply(r, req.id, ReplyType.DONE, answer)
 
-    fake = FakeModel(rc, "emb", script)
-    fake.start()
+    serve("emb", script)
     resp = client.post(
         "/v1/embeddings", json={"model": "emb", "input": "hello", "encoding_format": "base64"}
     )
@@ -399,9 +421,10 @@ def test_admin_residency_control(client: FlaskClient, rc: redis.Redis) -> None:
     assert resp.status_code == 202
     events = [json.loads(e) for e in rc.lrange(keys.events(), -2, -1)]
     assert events == [
-        {"type": "demand", "model": "tiny", "data": {"explicit": True}},
+        {"type": "config", "model": "tiny", "data": {"load": True}},
         {"type": "config", "model": "tiny", "data": {"unload": True}},
     ]
+    assert rc.hget(keys.explicit(), "tiny") == "unload"  # the later wish replaces the earlier
     assert_envelope(client.post("/admin/models/ghost/load", headers=AUTH), 404)
 
     resp = client.post("/admin/models/tiny/pin", json={"pinned": True}, headers=AUTH)
@@ -446,3 +469,18 @@ def test_ops_endpoints(client: FlaskClient, rc: redis.Redis) -> None:
     assert resp.status_code == 200
     assert resp.content_type.startswith("text/plain")
     assert "residency_model_loads_total" in resp.get_data(as_text=True)
+
+
+def test_redis_down_is_503(tmp_path: Path) -> None:
+    box = Box(
+        data_dir=tmp_path,
+        config_path=None,
+        redis_url=f"unix://{tmp_path}/absent.sock",
+        environ={"RESIDENCY_ADMIN_KEY": ADMIN},
+    )
+    client = create_app(box).test_client()
+    resp = client.post("/v1/chat/completions", json=CHAT)
+    assert_envelope(resp, 503, "not_ready")
+    assert "Retry-After" in resp.headers
+    assert client.get("/livez").status_code == 200
+    assert client.get("/readyz").status_code == 503

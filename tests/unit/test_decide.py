@@ -84,7 +84,9 @@ def test_all_pinned_rejects_with_slots_pinned() -> None:
 
 def test_pinned_and_busy_waits_instead_of_rejecting() -> None:
     acts = decide(
-        snap(mv("a", S.READY, pinned=True), mv("b", S.READY, in_flight=1), mv("c", queued=1), limit=2)
+        snap(
+            mv("a", S.READY, pinned=True), mv("b", S.READY, in_flight=1), mv("c", queued=1), limit=2
+        )
     )
     assert acts == [Wait("c", "all_busy")]
 
@@ -126,7 +128,9 @@ def test_limit_drop_shrinks_all_the_way_lru_first() -> None:
 
 
 def test_demand_is_served_oldest_first() -> None:
-    acts = decide(snap(mv("late", queued=1, demand_since=20.0), mv("early", queued=1, demand_since=5.0)))
+    acts = decide(
+        snap(mv("late", queued=1, demand_since=20.0), mv("early", queued=1, demand_since=5.0))
+    )
     assert of(Load, acts) == [Load("early", "box1", "cpu")]
 
 
@@ -153,7 +157,14 @@ def test_deleted_model_is_evicted_when_idle() -> None:
 
 def test_placement_spreads_over_devices() -> None:
     two = {"box1": WorkerView("box1", ("cuda:0", "cuda:1"))}
-    acts = decide(snap(mv("a", queued=1, demand_since=1.0), mv("b", queued=1, demand_since=2.0), limit=2, workers=two))
+    acts = decide(
+        snap(
+            mv("a", queued=1, demand_since=1.0),
+            mv("b", queued=1, demand_since=2.0),
+            limit=2,
+            workers=two,
+        )
+    )
     assert of(Load, acts) == [Load("a", "box1", "cuda:0"), Load("b", "box1", "cuda:1")]
 
 

@@ -54,7 +54,11 @@ def test_layers_later_wins_key_by_key() -> None:
 
 
 def test_env_layer_parses_values_and_rejects_unknown() -> None:
-    env = {"RESIDENCY_POOL_MAX_LOADED_MODELS": "4", "RESIDENCY_POOL_AUTO_EVICT": "true", "OTHER": "x"}
+    env = {
+        "RESIDENCY_POOL_MAX_LOADED_MODELS": "4",
+        "RESIDENCY_POOL_AUTO_EVICT": "true",
+        "OTHER": "x",
+    }
     layer = st.env_layer(env)
     assert layer == {"pool": {"max_loaded_models": 4, "auto_evict": True}}
     with pytest.raises(st.SettingsError) as e:
@@ -83,7 +87,7 @@ def test_patch_is_all_or_nothing_and_names_every_bad_key() -> None:
                 "server": {"port": 9000},
             },
         )
-    assert set(e.value.problems) == {"pool.nope", "server.port"}
+    assert set(e.value.problems) == {"pool.nope", "server.port", "pool.max_loaded_models"}
     with pytest.raises(st.SettingsError) as e:
         st.validate_patch(cur, {"pool": {"max_loaded_models": 0, "auto_evict": True}})
     assert set(e.value.problems) == {"pool.max_loaded_models"}

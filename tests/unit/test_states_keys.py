@@ -13,8 +13,10 @@ from residency.states import OCCUPYING, TRANSITIONS, ModelState, can_transition,
 def test_every_state_has_a_row_and_a_way_back_to_unloaded() -> None:
     assert set(TRANSITIONS) == set(ModelState)
     for s in ModelState:
-        assert s is ModelState.UNLOADED or can_transition(s, ModelState.UNLOADED) or any(
-            can_transition(n, ModelState.UNLOADED) for n in TRANSITIONS[s]
+        assert (
+            s is ModelState.UNLOADED
+            or can_transition(s, ModelState.UNLOADED)
+            or any(can_transition(n, ModelState.UNLOADED) for n in TRANSITIONS[s])
         )
 
 
@@ -43,11 +45,13 @@ def test_sources_for_is_the_inverse_of_the_table() -> None:
 
 def test_missing_state_is_unloaded_and_occupying_states() -> None:
     assert parse(None) is ModelState.UNLOADED
-    assert OCCUPYING == {ModelState.LOADING, ModelState.READY, ModelState.DRAINING}
+    assert {ModelState.LOADING, ModelState.READY, ModelState.DRAINING} == OCCUPYING
 
 
 def test_every_key_function_is_prefixed_documented_and_distinct() -> None:
-    fns = [f for n, f in inspect.getmembers(keys, inspect.isfunction) if f.__module__ == keys.__name__]
+    fns = [
+        f for n, f in inspect.getmembers(keys, inspect.isfunction) if f.__module__ == keys.__name__
+    ]
     seen = set()
     for f in fns:
         args = ["m"] * len(inspect.signature(f).parameters)

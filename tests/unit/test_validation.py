@@ -11,6 +11,7 @@ from web.faults import parse_faults
 from web.validation import validate_chat, validate_completion, validate_embedding
 
 USER = {"role": "user", "content": "hi"}
+C0 = "messages[0].content"
 
 
 def chat(**kw: Any) -> dict[str, Any]:
@@ -38,9 +39,18 @@ BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     (chat(messages=[{"content": "x"}]), "messages[0].role"),
     (chat(messages=[{"role": "user"}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": []}]), "messages[0].content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "messages[0].content[0].type"),
-    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]), "messages[0].content[0].text"),
-    (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": 4}]), "messages[0].tool_call_id"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]),
+        "messages[0].content[0].type",
+    ),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
+        "messages[0].content[0].text",
+    ),
+    (
+        chat(messages=[{"role": "tool", "content": "x", "tool_call_id": 4}]),
+        "messages[0].tool_call_id",
+    ),
     (chat(n=2), "n"),
     (chat(n="1"), "n"),
     (chat(max_tokens=0), "max_tokens"),
@@ -142,8 +152,14 @@ GOOD_CHAT: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
     (chat(stream=None), {"messages": [USER]}, False),
     (
         # Fields OpenAI clients send that mean nothing here are ignored, not rejected.
-        chat(user="u1", metadata={"a": "b"}, stream_options={"include_usage": True},
-             parallel_tool_calls=False, store=False, n=1),
+        chat(
+            user="u1",
+            metadata={"a": "b"},
+            stream_options={"include_usage": True},
+            parallel_tool_calls=False,
+            store=False,
+            n=1,
+        ),
         {"messages": [USER]},
         False,
     ),
@@ -152,11 +168,29 @@ GOOD_CHAT: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
     (chat(max_tokens=None), {"messages": [USER]}, False),
     (chat(stop="END"), {"messages": [USER], "stop": ["END"]}, False),
     (
-        chat(temperature=0, top_p=1, top_k=0, min_p=0.1, seed=42, presence_penalty=-2,
-             frequency_penalty=1.5, repeat_penalty=1.1, logit_bias={"15": -100}),
-        {"messages": [USER], "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0.1,
-         "seed": 42, "presence_penalty": -2, "frequency_penalty": 1.5, "repeat_penalty": 1.1,
-         "logit_bias": {"15": -100.0}},
+        chat(
+            temperature=0,
+            top_p=1,
+            top_k=0,
+            min_p=0.1,
+            seed=42,
+            presence_penalty=-2,
+            frequency_penalty=1.5,
+            repeat_penalty=1.1,
+            logit_bias={"15": -100},
+        ),
+        {
+            "messages": [USER],
+            "temperature": 0,
+            "top_p": 1,
+            "top_k": 0,
+            "min_p": 0.1,
+            "seed": 42,
+            "presence_penalty": -2,
+            "frequency_penalty": 1.5,
+            "repeat_penalty": 1.1,
+            "logit_bias": {"15": -100.0},
+        },
         False,
     ),
     (
@@ -165,8 +199,14 @@ GOOD_CHAT: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
         False,
     ),
     (
-        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                    {"type": "text", "text": "b"}]}]),
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ]
+        ),
         {"messages": [{"role": "user", "content": "a\nb"}]},
         False,
     ),
@@ -176,10 +216,16 @@ GOOD_CHAT: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
         False,
     ),
     (
-        chat(response_format={"type": "json_schema",
-                              "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-        {"messages": [USER], "response_format": {"type": "json_object",
-                                                 "schema": {"type": "object"}}},
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            }
+        ),
+        {
+            "messages": [USER],
+            "response_format": {"type": "json_object", "schema": {"type": "object"}},
+        },
         False,
     ),
     (chat(response_format={"type": "text"}), {"messages": [USER]}, False),
@@ -188,8 +234,11 @@ GOOD_CHAT: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
         {"messages": [USER], "response_format": {"type": "json_object"}},
         False,
     ),
-    (chat(logprobs=True, top_logprobs=3),
-     {"messages": [USER], "logprobs": True, "top_logprobs": 3}, False),
+    (
+        chat(logprobs=True, top_logprobs=3),
+        {"messages": [USER], "logprobs": True, "top_logprobs": 3},
+        False,
+    ),
 ]
 
 
@@ -231,8 +280,7 @@ GOOD_COMPLETION: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
         {"prompt": "once upon", "max_tokens": 3, "echo": True, "suffix": "!", "logprobs": 2},
         True,
     ),
-    (completion(stop=["\n", "."], best_of=1),
-     {"prompt": "once upon", "stop": ["\n", "."]}, False),
+    (completion(stop=["\n", "."], best_of=1), {"prompt": "once upon", "stop": ["\n", "."]}, False),
 ]
 
 
