@@ -9,10 +9,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LLAMA_VERSION=0.3.36
-LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF"
+# Override for a GPU build, e.g. LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=on".
+LLAMA_CMAKE_ARGS=${LLAMA_CMAKE_ARGS:-"-DGGML_NATIVE=OFF"}
 PY=${PYTHON:-python3}
 VENV=${RESIDENCY_VENV:-.venv}
-WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/residency/wheels/llama-cpp-python-${LLAMA_VERSION}-GGML_NATIVE_OFF"
+flags=$(printf '%s' "$LLAMA_CMAKE_ARGS" | tr -c 'A-Za-z0-9=_-' '_')
+WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/residency/wheels/llama-cpp-python-${LLAMA_VERSION}${flags}"
 
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "residency needs Python 3.11+")'
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

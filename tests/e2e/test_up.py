@@ -31,6 +31,7 @@ def free_port() -> int:
 
 class Up:
     def __init__(self, tmp: Path, models_dir: Path) -> None:
+        """Start `residency up` with its data in ``tmp / "data"`` (reused if it exists)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data = tmp / "data"
@@ -285,3 +286,35 @@ def test_sigterm_leaves_no_process_behind(up: Up) -> None:
     assert up.proc.wait(60) == 0
     _gone, alive = psutil.wait_procs(kids, timeout=30)
     assert alive == [], [p.pid for p in alive]
+
+
+def test_supervisor_crash_leaves_no_orphans_and_changes_survive(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    first = Up(tmp_path, models_dir)
+    admin = {"Authorization": f"Bearer {first.admin_key}"}
+    resp = requests.patch(
+        first.url + "/admin/config",
+        json={"pool": {"max_queue_per_model": 7}},
+        headers=admin,
+        timeout=10,
+    )
+    assert resp.status_code == 200
+    first.client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    kids = first.descendants()
+    first.proc.kill()  # a crash: no chance to clean up
+    first.proc.wait(30)
+    _gone, alive = psutil.wait_procs(kids, timeout=60)
+    assert alive == [], [" ".join(p.cmdline()) for p in alive]
+
+    second = Up(tmp_path, models_dir)  # same data dir: same Redis AOF, same admin key
+    try:
+        assert second.admin_key == first.admin_key
+        cfg = requests.get(second.url + "/admin/config", headers=admin, timeout=10).json()
+        assert cfg["config"]["pool"]["max_queue_per_model"] == 7
+        assert cfg["sources"]["pool.max_queue_per_model"] == "admin"
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        second.proc.wait(60)

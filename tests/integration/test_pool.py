@@ -198,3 +198,45 @@ def test_admin_load_and_unload(start_pool: Callable[..., Pool]) -> None:
     pool.wait_for(lambda: pool.state("b") == "unloaded", what="b unloaded by the admin")
     pool.wait_for(lambda: not pool.r.hexists(keys.explicit(), "b"), what="wish cleared")
     assert loads(pool, "b") == 1
+
+
+def test_lowering_the_limit_shrinks_the_pool_without_a_new_load(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """Rule 4: a limit lowered from 3 to 1 with three idle residents shrinks the pool all the
+    way, least recently used first, with no request and no load needed to trigger it."""
+    pool = start_pool(pool={"max_loaded_models": 3})
+    c = client_for(pool)
+    for m in ("a", "b", "c"):
+        assert chat(c, m).status_code == 200
+    assert pool.resident() == {"a", "b", "c"}
+    assert chat(c, "a").status_code == 200  # a is now the most recently used
+    resp = c.patch("/admin/config", json={"pool": {"max_loaded_models": 1}}, headers=ADMIN)
+    assert resp.status_code == 200
+    pool.wait_for(lambda: pool.resident() == {"a"}, what="pool shrunk to the MRU model")
+    assert loads(pool, "a") == 1
+    evicted = pool.r.hget(keys.metric_counters(), 'residency_evictions_total|{"reason":"limit"}')
+    assert float(str(evicted)) == 2
+
+
+def test_health_is_one_record_and_a_stale_one_never_replaces_it(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """Rules 6 and 7: /health is one published record with its generation; a publish stamped
+    with an older generation is refused."""
+    pool = start_pool()
+    c = client_for(pool)
+    h = c.get("/health").get_json()
+    gen = h["generation"]
+    assert gen >= 1 and h["max_models"]["llm"]["configured"] == 1
+    assert not pool.coordinator.scripts.publish_health(gen - 1, {"status": "stale"})
+    assert c.get("/health").get_json()["generation"] >= gen
+    assert c.get("/health").get_json().get("status") == "ok"
+    resp = c.patch("/admin/config", json={"pool": {"max_loaded_models": 2}}, headers=ADMIN)
+    newer = resp.get_json()["generation"]
+    assert newer > gen
+    pool.wait_for(
+        lambda: c.get("/health").get_json()["max_models"]["llm"]["configured"] == 2,
+        what="the change published",
+    )
+    assert c.get("/health").get_json()["generation"] > newer

@@ -1,0 +1,27 @@
+"""Device discovery and pinning (the GPU paths are exercised with canned nvidia-smi output)."""
+
+from __future__ import annotations
+
+from workers import devices
+
+
+def test_parse_nvidia_smi() -> None:
+    assert devices.parse_nvidia_smi("0\n1\n\n") == ["cuda:0", "cuda:1"]
+    assert devices.parse_nvidia_smi("No devices were found\n") == []
+
+
+def test_forced_device_list() -> None:
+    assert devices.discover({"RESIDENCY_DEVICES": "cuda:0, cuda:3"}) == ["cuda:0", "cuda:3"]
+
+
+def test_child_env_pins_exactly_one_gpu_or_none() -> None:
+    base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2"}
+    assert devices.child_env("cuda:2", base)["CUDA_VISIBLE_DEVICES"] == "2"
+    assert devices.child_env("cpu", base)["CUDA_VISIBLE_DEVICES"] == ""
+    assert devices.child_env("cpu", base)["PATH"] == "/bin"
+
+
+def test_cpu_affinity() -> None:
+    assert devices.cpu_affinity("cpu") is None
+    assert devices.cpu_affinity("cuda:0") is None
+    assert devices.cpu_affinity("cpu:0-3+6") == {0, 1, 2, 3, 6}
