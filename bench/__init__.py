@@ -1,0 +1,1 @@
+"""Benchmarks that print ratios against direct llama.cpp and peers (see bench/README.md)."""
