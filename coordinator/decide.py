@@ -100,7 +100,24 @@ class Wait:
     reason: str  # "no_worker" | "slot_draining" | "evicting" | "all_busy"
 
 
-Action = Load | Evict | Reject | Reap | Wait
+@dataclass(frozen=True)
+class Blocked:
+    """A pool is above its limit but every resident it could shrink is busy or pinned."""
+
+    type: str
+    over: int
+
+
+Action = Load | Evict | Reject | Reap | Wait | Blocked
+
+
+def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
+    """Whether some decision can only progress when a busy model goes idle: then the model
+    processes must report their busy -> idle edges (else the periodic pass suffices)."""
+    for a in actions:
+        if isinstance(a, Blocked) or (isinstance(a, Wait) and a.reason == "all_busy"):
+            return True
+    return any(m.explicit == "unload" and m.busy and m.occupying for m in snap.models.values())
 
 
 def effective_limit(configured: int, autosize: bool, floor: int) -> int:
@@ -230,4 +247,6 @@ def _decide_pool(
             v = victims.pop(0)
             out.append(Evict(v.name, v.token, "limit"))
             over -= 1
+        if over > 0 and any(m.busy and not m.pinned for m in occupying):
+            out.append(Blocked(typ, over))
     return out

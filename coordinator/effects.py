@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import redis
 
-from coordinator.decide import Action, Evict, Load, Reap, Reject, Snapshot, Wait
+from coordinator.decide import Action, Blocked, Evict, Load, Reap, Reject, Snapshot, Wait
 from residency import errors, keys, metrics, registry, work
 from residency.lua import Scripts
 from residency.settings import Settings
@@ -42,6 +42,9 @@ class Effects:
         for a in actions:
             if isinstance(a, Wait):
                 waits[a.model] = a.reason
+                continue
+            if isinstance(a, Blocked):
+                waits[f"{a.type} pool"] = f"{a.over} over the limit, shrink waits for busy models"
                 continue
             try:
                 changed += self._apply_one(a, snap, model_hashes, s)
@@ -73,6 +76,13 @@ class Effects:
         if isinstance(a, Reap):
             return self.reap(a, snap.models[a.model].state)
         return 0
+
+    def watch_idle(self, on: bool) -> None:
+        """Ask model processes for busy -> idle events only while a decision waits for one."""
+        if on:
+            self.r.set(keys.idle_watch(), "1", ex=keys.IDLE_WATCH_TTL_S)
+        else:
+            self.r.delete(keys.idle_watch())
 
     def load(self, a: Load, s: Settings) -> int:
         entry = registry.get(self.r, a.model)

@@ -16,7 +16,7 @@ from typing import cast
 import redis
 
 from coordinator import snapshot
-from coordinator.decide import Action, decide
+from coordinator.decide import Action, decide, waits_for_idle
 from coordinator.effects import Effects, clear_stale_explicit, load_failed
 from residency import keys, registry, work
 from residency.box import Box, ConfigStore
@@ -150,6 +150,7 @@ class Coordinator:
             actions = decide(rd.snap)
             if not self.effects.apply(actions, rd.snap, rd.model_hashes, s):
                 break
+        self.effects.watch_idle(waits_for_idle(actions, rd.snap))
         self.publish(snapshot.health_record(rd, s))
         return actions
 

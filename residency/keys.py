@@ -49,6 +49,13 @@ def explicit() -> str:
     return f"{PREFIX}explicit"
 
 
+def idle_watch() -> str:
+    """string flag, TTL ``IDLE_WATCH_TTL_S``: set by the coordinator while some decision waits
+    for a busy model to go idle; ``finish.lua`` sends the idle event only while it exists, so
+    steady traffic does not wake a coordinator pass per request."""
+    return f"{PREFIX}idle-watch"
+
+
 def queue(name: str) -> str:
     """list of request JSON, no TTL, bounded by ``pool.max_queue_per_model`` in the submit script.
     Web LPUSHes; the model process moves items from the right end to ``processing``."""
@@ -144,3 +151,4 @@ REPLY_TTL_S = 600
 WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000
+IDLE_WATCH_TTL_S = 30

@@ -105,10 +105,17 @@ class Scripts:
         return bool(ok), int(depth)
 
     def finish(self, model: str, item: str, *, now: float, idle_event: dict[str, Any]) -> bool:
-        """Returns True when this finish made the model idle (nothing queued or in flight)."""
+        """Returns True when this finish sent the idle event (the model went idle while the
+        coordinator was waiting for that)."""
         went_idle = self._run(
             "finish",
-            [keys.processing(model), keys.queue(model), keys.model(model), keys.events()],
+            [
+                keys.processing(model),
+                keys.queue(model),
+                keys.model(model),
+                keys.events(),
+                keys.idle_watch(),
+            ],
             [item, now, json.dumps(idle_event)],
         )
         return bool(went_idle)

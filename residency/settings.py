@@ -89,6 +89,7 @@ class ModelSpec(_Strict):
     n_ctx: int = Field(4096, ge=16, le=1 << 20)
     n_gpu_layers: int = Field(-1, ge=-1)
     n_threads: int | None = Field(None, ge=1, le=1024)
+    n_threads_batch: int | None = Field(None, ge=1, le=1024)
     n_batch: int = Field(512, ge=1, le=1 << 16)
     chat_format: str | None = None
     pinned: bool = False

@@ -34,7 +34,7 @@ log = logging.getLogger("residency.model")
 
 TAKE_WAIT_S = 0.25  # how long an idle process blocks on its queue before checking control
 OWNERSHIP_CHECK_S = 1.0
-FLUSH_EVERY_S = 0.02  # streamed chunks are batched at most this long after the first one
+FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
 
 
 class ModelProcess:
@@ -192,11 +192,14 @@ class ModelProcess:
         self.stream(req, result)
 
     def stream(self, req: Request, chunks: Iterable[dict[str, Any]]) -> None:
-        """Forward chunks in small batches: the first at once (time to first token), then at
-        most every FLUSH_EVERY_S; each flush also reads the cancel flag in the same round trip,
+        """Forward chunks in small batches: everything up to and including the first chunk with
+        text at once (llama.cpp sends a role-only chunk first; batching the first token behind
+        it cost a whole batch interval of time to first token), then at most every
+        FLUSH_EVERY_S; each flush also reads the cancel flag in the same round trip,
         so a client that went away stops the generation within one batch."""
         batch: list[dict[str, Any]] = []
         sent = 0
+        texted = False
         last_flush = 0.0
         it = iter(chunks)
         try:
@@ -212,7 +215,12 @@ class ModelProcess:
                 chunk["model"] = self.model
                 batch.append(chunk)
                 now = time.monotonic()
-                if now - last_flush >= FLUSH_EVERY_S:
+                if not texted:
+                    texted = _has_text(chunk)
+                    due = True
+                else:
+                    due = now - last_flush >= FLUSH_EVERY_S
+                if due:
                     last_flush = now
                     if self._flush(req.id, batch):
                         self._cancelled(req.id, sent)
@@ -240,6 +248,13 @@ class ModelProcess:
         add_reply(pipe, req_id, ReplyType.CHUNK, {"chunks": batch})
         pipe.exists(keys.cancel(req_id))
         return bool(pipe.execute()[-1])
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
 
 
 def build_runtime(

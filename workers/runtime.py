@@ -39,6 +39,7 @@ class LlamaRuntime:
             # A CPU device never offloads, whatever the spec asks for a GPU host.
             n_gpu_layers=spec.n_gpu_layers if device != "cpu" else 0,
             n_threads=spec.n_threads,
+            n_threads_batch=spec.n_threads_batch,
             n_batch=spec.n_batch,
             chat_format=spec.chat_format,
             embedding=spec.type == "embedding",

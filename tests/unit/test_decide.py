@@ -180,3 +180,19 @@ def test_effective_limit() -> None:
     assert effective_limit(1, False, 3) == 1
     assert effective_limit(-1, True, 3) == -1
     assert effective_limit(4, True, 3) == 4
+
+
+def test_idle_events_are_wanted_only_while_something_waits_for_one() -> None:
+    from coordinator.decide import Blocked, waits_for_idle
+
+    s = snap(mv("a", S.READY, in_flight=1), mv("b", queued=1))
+    assert waits_for_idle(decide(s), s)
+    s = snap(mv("a", S.READY, last_used=1.0), mv("b", queued=1))
+    assert not waits_for_idle(decide(s), s)
+    # over the limit with the only other resident busy: the shrink waits for it
+    s = snap(mv("a", S.READY, in_flight=1), mv("b", S.READY, in_flight=1))
+    acts = decide(s)
+    assert Blocked("llm", 1) in acts and waits_for_idle(acts, s)
+    # over the limit because of pins: idle events would not help
+    s = snap(mv("a", S.READY, pinned=True), mv("b", S.READY, pinned=True))
+    assert not waits_for_idle(decide(s), s)
