@@ -18,11 +18,15 @@ from residency.messages import Event, EventType, ReplyType, Request
 log = logging.getLogger(__name__)
 
 
-def add_reply(pipe: Any, request_id: str, kind: ReplyType, data: dict[str, Any]) -> None:
-    """Queue one reply message (and refresh the stream's TTL) on a pipeline or client."""
+def add_reply(
+    pipe: Any, request_id: str, kind: ReplyType, data: dict[str, Any], *, set_ttl: bool = True
+) -> None:
+    """Queue one reply message on a pipeline or client, and (re)set the stream's TTL. A stream
+    writer may skip the TTL on middle chunks: the first and the last message set it."""
     k = keys.reply(request_id)
     pipe.xadd(k, {"t": kind.value, "d": json.dumps(data, separators=(",", ":"))})
-    pipe.expire(k, keys.REPLY_TTL_S)
+    if set_ttl:
+        pipe.expire(k, keys.REPLY_TTL_S)
 
 
 def fail_queued(r: redis.Redis, model: str, error: ApiError, limit: int = 100_000) -> int:

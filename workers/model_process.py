@@ -222,7 +222,7 @@ class ModelProcess:
                     due = now - last_flush >= FLUSH_EVERY_S
                 if due:
                     last_flush = now
-                    if self._flush(req.id, batch):
+                    if self._flush(req.id, batch, set_ttl=sent == 0):
                         self._cancelled(req.id, sent)
                         return
                     sent += len(batch)
@@ -242,10 +242,10 @@ class ModelProcess:
         metrics.inc(pipe, metrics.CANCELLED_CHUNKS_TOTAL, {"model": self.model}, chunks_sent)
         pipe.execute()
 
-    def _flush(self, req_id: str, batch: list[dict[str, Any]]) -> bool:
+    def _flush(self, req_id: str, batch: list[dict[str, Any]], *, set_ttl: bool = True) -> bool:
         """Write a batch of chunks; returns True when the request was cancelled."""
         pipe = self.r.pipeline(transaction=False)
-        add_reply(pipe, req_id, ReplyType.CHUNK, {"chunks": batch})
+        add_reply(pipe, req_id, ReplyType.CHUNK, {"chunks": batch}, set_ttl=set_ttl)
         pipe.exists(keys.cancel(req_id))
         return bool(pipe.execute()[-1])
 
