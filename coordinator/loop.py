@@ -20,6 +20,7 @@ from coordinator.decide import Action, decide, waits_for_idle
 from coordinator.effects import Effects, clear_stale_explicit, load_failed
 from residency import keys, registry, work
 from residency.box import Box, ConfigStore
+from residency.loops import run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
 from residency.settings import Settings, SettingsError
@@ -84,26 +85,20 @@ class Coordinator:
     def run(self) -> None:
         log.info("coordinator started")
         try:
-            while not self.stop.is_set():
-                try:
-                    if not self.is_leader and not self.try_lead():
-                        self.stop.wait(1.0)
-                        continue
-                    events = self.collect_events(EVENT_WAIT_S)
-                    self.renew()
-                    if self.is_leader:
-                        self.step(events)
-                except redis.RedisError as e:
-                    log.error("redis error in coordinator loop: %s", e)
-                    self.stop.wait(1.0)
-                except Exception:
-                    # A bug in one pass must not stop enforcement; the next pass starts afresh.
-                    log.exception("coordinator pass failed")
-                    self.stop.wait(0.5)
+            run_until_stopped(self.stop, self.iteration, log, "coordinator pass")
         finally:
             with contextlib.suppress(redis.RedisError):
                 self.resign()
             log.info("coordinator stopped")
+
+    def iteration(self) -> None:
+        if not self.is_leader and not self.try_lead():
+            self.stop.wait(1.0)  # standby: the lease is someone else's
+            return
+        events = self.collect_events(EVENT_WAIT_S)
+        self.renew()
+        if self.is_leader:
+            self.step(events)
 
     def collect_events(self, wait_s: float) -> list[Event]:
         """Block for the first event (bounded), then take every event already queued: a burst of

@@ -23,6 +23,7 @@ import redis
 
 from residency import keys, procs, work
 from residency.box import Box
+from residency.loops import run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
 from residency.states import OCCUPYING, ModelState
@@ -103,22 +104,17 @@ class Agent:
             keys.events(), json.dumps(Event(EventType.WORKER, "", {"host": self.host}).to_dict())
         )
         try:
-            while not self.stop.is_set():
-                try:
-                    if time.time() - self._last_beat >= HEARTBEAT_S:
-                        self.heartbeat()
-                    item = self.r.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
-                    if item is not None:
-                        self.handle(str(item[1]))
-                    self.watch_children()
-                except redis.RedisError as e:
-                    log.error("redis error in agent loop: %s", e)
-                    self.stop.wait(1.0)
-                except Exception:
-                    log.exception("agent loop iteration failed")
-                    self.stop.wait(0.5)
+            run_until_stopped(self.stop, self.iteration, log, "agent loop")
         finally:
             self.shutdown()
+
+    def iteration(self) -> None:
+        if time.time() - self._last_beat >= HEARTBEAT_S:
+            self.heartbeat()
+        item = self.r.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
+        if item is not None:
+            self.handle(str(item[1]))
+        self.watch_children()
 
     def handle(self, raw: str) -> None:
         try:

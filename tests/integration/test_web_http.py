@@ -19,10 +19,9 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from residency import keys, registry
-from residency.box import Box, connect
+from residency.box import Box
 from residency.errors import ApiError, slots_pinned
 from residency.messages import ReplyType, Request
-from residency.redis_server import EmbeddedRedis
 from residency.settings import ModelSpec
 from residency.work import add_reply
 from web import create_app
@@ -31,27 +30,18 @@ ADMIN = "test-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
-@pytest.fixture(scope="module")
-def web_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = EmbeddedRedis(tmp_path_factory.mktemp("web-redis"), appendonly=False)
-    yield server.start()
-    server.stop()
+@pytest.fixture
+def rc(r: redis.Redis) -> redis.Redis:
+    """The shared test Redis, emptied for this test (tests/conftest.py)."""
+    return r
 
 
 @pytest.fixture
-def rc(web_redis_url: str) -> Iterator[redis.Redis]:
-    client = connect(web_redis_url)
-    client.flushall()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def box(tmp_path: Path, web_redis_url: str) -> Box:
+def box(tmp_path: Path, redis_url: str) -> Box:
     b = Box(
         data_dir=tmp_path,
         config_path=None,
-        redis_url=web_redis_url,
+        redis_url=redis_url,
         # A short reply timeout, so that a test whose fake model never answers fails fast.
         environ={"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "10"},
     )
