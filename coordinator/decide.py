@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from residency.states import OCCUPYING, ModelState
 
 STANDARD = "standard"
+HELPER = "helper"  # routing helpers (policy routers, classifiers): own pool, no cap
+POOLS = (STANDARD, HELPER)
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,10 @@ class ModelView:
     device: str | None = None
     registered: bool = True
     loading_since: float | None = None
-    pool: str = STANDARD
+    pool: str = STANDARD  # the pool the model belongs to now (HELPER while a policy uses it)
+    loaded_pool: str | None = None  # the pool whose slot it took when it was loaded
     explicit: str | None = None  # "load" | "unload" asked through the admin API
+    load_seconds: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -39,6 +43,11 @@ class ModelView:
     @property
     def occupying(self) -> bool:
         return self.state in OCCUPYING
+
+    @property
+    def slot_pool(self) -> str:
+        """The pool a resident counts against: the one it was loaded into."""
+        return (self.loaded_pool or self.pool) if self.occupying else self.pool
 
     @property
     def wants_load(self) -> bool:
@@ -50,6 +59,7 @@ class WorkerView:
     host: str
     devices: tuple[str, ...]
     alive: bool = True
+    memory: dict[str, float] = field(default_factory=dict)  # device -> fraction of memory used
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,8 @@ class Snapshot:
     limits: dict[str, int]  # effective limit per model type; -1 = unlimited
     now: float
     load_timeout_s: float = 600.0
+    auto_evict: bool = False
+    auto_evict_threshold: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,9 @@ class Load:
 class Evict:
     model: str
     token: str
-    reason: str  # "lru" (to admit a load) | "limit" (over the limit) | "deleted" | "admin"
+    # "lru" (to admit a load) | "limit" (over the limit) | "deleted" | "admin" |
+    # "helper_unused" (a routing helper no policy references any more) | "memory" (auto_evict)
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -117,7 +131,12 @@ def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
     for a in actions:
         if isinstance(a, Blocked) or (isinstance(a, Wait) and a.reason == "all_busy"):
             return True
-    return any(m.explicit == "unload" and m.busy and m.occupying for m in snap.models.values())
+    return any(
+        m.busy
+        and m.occupying
+        and (m.explicit == "unload" or (m.slot_pool == HELPER and m.pool != HELPER))
+        for m in snap.models.values()
+    )
 
 
 def effective_limit(configured: int, autosize: bool, floor: int) -> int:
@@ -178,34 +197,46 @@ def decide(snap: Snapshot) -> list[Action]:
 
     for m in lru_victims(v for v in live.values() if not v.registered):
         actions.append(Evict(m.name, m.token, "deleted"))
+    # A routing helper that no policy uses any more goes as soon as it is idle.
+    for m in lru_victims(
+        v for v in live.values() if v.slot_pool == HELPER and v.pool != HELPER and v.registered
+    ):
+        actions.append(Evict(m.name, m.token, "helper_unused"))
     # An explicit admin unload may take a pinned model too; a busy one waits until idle.
     for m in live.values():
         if m.explicit == "unload" and m.registered and m.state is ModelState.READY and not m.busy:
             actions.append(Evict(m.name, m.token, "admin"))
     evicting = {a.model for a in actions if isinstance(a, Evict)}
 
+    if snap.auto_evict:
+        actions += _memory_backstop(snap, live, evicting)
+        evicting = {a.model for a in actions if isinstance(a, Evict)}
+
     types = sorted({m.type for m in snap.models.values()})
-    for typ in types:
-        actions += _decide_pool(snap, typ, live, evicting, placement)
+    for pool in POOLS:
+        for typ in types:
+            actions += _decide_pool(snap, typ, pool, live, evicting, placement)
     return actions
 
 
 def _decide_pool(
     snap: Snapshot,
     typ: str,
+    pool: str,
     live: dict[str, ModelView],
     evicting: set[str],
     placement: _Placement,
 ) -> list[Action]:
     out: list[Action] = []
-    limit = snap.limits.get(typ, 1)
-    occupying = [m for m in live.values() if m.type == typ and m.pool == STANDARD]
+    # Rule 2: routing helpers never take a standard slot, and their own pool has no cap.
+    limit = snap.limits.get(typ, 1) if pool == STANDARD else -1
+    occupying = [m for m in live.values() if m.type == typ and m.slot_pool == pool]
     wanted = sorted(
         (
             m
             for m in snap.models.values()
             if m.type == typ
-            and m.pool == STANDARD
+            and m.pool == pool
             and m.registered
             and m.wants_load
             and m.explicit != "unload"
@@ -249,4 +280,33 @@ def _decide_pool(
             over -= 1
         if over > 0 and any(m.busy and not m.pinned for m in occupying):
             out.append(Blocked(typ, over))
+    return out
+
+
+def eviction_score(m: ModelView, now: float) -> float:
+    """Idle time per second of load time: a model that sat idle long and reloads fast is the
+    cheapest to lose (Lemonade's rule)."""
+    return max(now - m.last_used, 0.0) / max(m.load_seconds or 0.0, 0.01)
+
+
+def _memory_backstop(
+    snap: Snapshot, live: dict[str, ModelView], evicting: set[str]
+) -> list[Action]:
+    """Rule 5: on a device whose memory use is above the threshold, evict the idle, unpinned
+    resident with the highest score — one per device per pass, and none while a model on that
+    device is already on its way out (its memory is not given back yet)."""
+    out: list[Action] = []
+    for host, w in sorted(snap.workers.items()):
+        if not w.alive:
+            continue
+        for device, used in sorted(w.memory.items()):
+            if used <= snap.auto_evict_threshold:
+                continue
+            here = [m for m in live.values() if m.host == host and m.device == device]
+            if any(m.state is ModelState.DRAINING or m.name in evicting for m in here):
+                continue
+            victims = lru_victims(here)
+            if victims:
+                v = max(victims, key=lambda m: (eviction_score(m, snap.now), m.name))
+                out.append(Evict(v.name, v.token, "memory"))
     return out

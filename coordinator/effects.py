@@ -63,7 +63,7 @@ class Effects:
         self, a: Action, snap: Snapshot, model_hashes: dict[str, dict[str, str]], s: Settings
     ) -> int:
         if isinstance(a, Load):
-            return self.load(a, s)
+            return self.load(a, s, snap.models[a.model].pool)
         if isinstance(a, Evict):
             loaded_at = model_hashes.get(a.model, {}).get("loaded_at")
             return self.evict(a, snap.now, float(loaded_at) if loaded_at else None)
@@ -84,7 +84,7 @@ class Effects:
         else:
             self.r.delete(keys.idle_watch())
 
-    def load(self, a: Load, s: Settings) -> int:
+    def load(self, a: Load, s: Settings, pool: str) -> int:
         entry = registry.get(self.r, a.model)
         if entry is None:
             return 0
@@ -105,6 +105,7 @@ class Effects:
             now=time.time(),
             command=command,
             lease=self.lease_token,
+            pool=pool,
         )
         if not ok:
             log.info("load of %s not started: state is %s", a.model, prev)

@@ -16,9 +16,10 @@ from typing import cast
 import redis
 
 from coordinator import snapshot
+from coordinator.autosize import CONFIG_VERSION, Autosize
 from coordinator.decide import Action, decide, waits_for_idle
 from coordinator.effects import Effects, clear_stale_explicit, load_failed
-from residency import keys, registry, work
+from residency import keys, policy_store, registry, work
 from residency.box import Box, ConfigStore
 from residency.loops import run_until_stopped
 from residency.lua import Scripts
@@ -52,6 +53,10 @@ class Coordinator:
         self.is_leader = False
         self.settings: Settings = box.base_settings()
         self.passes = 0
+        self._starting = False
+        self._fresh_data = False
+        self._risky = False
+        self._unresolved: tuple[tuple[str, str], ...] = ()
         self._last_record: str | None = None
         self._last_publish = 0.0
 
@@ -66,9 +71,54 @@ class Coordinator:
         return self.is_leader
 
     def on_lead(self) -> None:
-        # The file's models are (re)seeded by whoever leads, so every role sees one registry.
-        registry.seed_from_file(self.r, self.box.base_settings().models)
+        # The file's models and policies are (re)seeded by whoever leads, so every role sees
+        # one registry.
+        fresh = not self.r.exists(keys.generation())
+        base = self.box.base_settings()
+        registry.seed_from_file(self.r, base.models)
+        policy_store.seed_from_file(self.r, base.policies)
+        self._starting = True
+        self._fresh_data = fresh
         self.r.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+
+    def tell_autosize(self, a: Autosize) -> None:
+        """Say what autosize does once, when it becomes true: an INFO line at start, a WARNING
+        when the risky state (above max_loaded_models with no auto_evict) is entered, and a
+        one-time notice on the first start after an upgrade into that state. The risky flag and
+        the config version are kept in Redis, so restarts do not repeat them."""
+        unresolved = tuple(a.floor.unresolved)
+        if unresolved != self._unresolved:
+            for policy, cand in unresolved:
+                log.warning(
+                    "policy %s: candidate %s is not a registered model; it still counts toward "
+                    "the LLM candidate floor",
+                    policy,
+                    cand,
+                )
+            self._unresolved = unresolved
+        if self._starting:
+            self._starting = False
+            if a.exceeds:
+                log.info(
+                    "LLM limit is %d: max_loaded_models=%d raised by llm_pool_autosize to the "
+                    "%d local candidates of the router policies",
+                    a.effective,
+                    a.configured,
+                    a.floor.floor,
+                )
+            stored = self.r.hget(keys.autosize_state(), "config_version")
+            if int(str(stored or 0)) < CONFIG_VERSION:
+                if a.risky and not self._fresh_data:
+                    log.warning("upgrade notice: %s", a.advisory())
+                self.r.hset(keys.autosize_state(), "config_version", CONFIG_VERSION)
+            self._risky = self.r.hget(keys.autosize_state(), "risky") == "1"
+        if a.risky != self._risky:
+            if a.risky:
+                log.warning("%s", a.advisory())
+            else:
+                log.info("LLM pool back within max_loaded_models (or auto_evict is on)")
+            self.r.hset(keys.autosize_state(), "risky", "1" if a.risky else "0")
+            self._risky = a.risky
 
     def renew(self) -> None:
         if self.is_leader and not self.scripts.lease(self.lease_token, "renew"):
@@ -146,6 +196,7 @@ class Coordinator:
             if not self.effects.apply(actions, rd.snap, rd.model_hashes, s):
                 break
         self.effects.watch_idle(waits_for_idle(actions, rd.snap))
+        self.tell_autosize(rd.autosize)
         self.publish(snapshot.health_record(rd, s))
         return actions
 

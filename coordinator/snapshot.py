@@ -8,9 +8,11 @@ from typing import Any, cast
 
 import redis
 
-from coordinator.decide import ModelView, Snapshot, WorkerView, effective_limit
-from residency import __version__, keys, registry, states
+from coordinator.autosize import Autosize, autosize
+from coordinator.decide import HELPER, STANDARD, ModelView, Snapshot, WorkerView
+from residency import __version__, keys, policy_store, registry, states
 from residency.messages import Request
+from residency.policies import candidate_floor, helper_models
 from residency.settings import Settings
 
 TYPES = ("llm", "embedding")
@@ -25,11 +27,20 @@ class Read:
     snap: Snapshot
     model_hashes: dict[str, dict[str, str]]  # pid, load_seconds… for the health record
     worker_hashes: dict[str, dict[str, str]]
+    autosize: Autosize  # the floor and per-policy counts, from the same read as the pool
 
 
 def read(r: redis.Redis, s: Settings, now: float) -> Read:
-    """The pool as one Snapshot, from one pipelined round trip (plus the registry read)."""
+    """The pool as one Snapshot: the registry, the policies and the pool state are read in two
+    pipelined round trips, so the floor, the helper set and the residents agree."""
     entries = registry.all_entries(r)
+    pols = policy_store.parsed(policy_store.all_entries(r))
+    infos = policy_store.model_infos(entries)
+    floor = candidate_floor(pols, infos)
+    helpers = helper_models(pols)
+    auto = autosize(s, floor)
+    # Remote models are forwarded by web and never resident: they have no place in the pool.
+    entries = {n: e for n, e in entries.items() if not e.spec.remote}
     names = set(entries)
     names.update(
         str(k).removeprefix(keys.model(""))
@@ -70,6 +81,9 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             registered=e is not None,
             loading_since=_f(h.get("loading_since")),
             explicit=explicit.get(n),
+            pool=HELPER if n in helpers else STANDARD,
+            load_seconds=_f(h.get("load_seconds")),
+            loaded_pool=h.get("pool") or None,
         )
     workers: dict[str, WorkerView] = {}
     worker_hashes: dict[str, dict[str, str]] = {}
@@ -77,19 +91,23 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         w = res[4 * len(ordered) + j]
         worker_hashes[host] = w
         workers[host] = WorkerView(
-            host=host, devices=tuple(json.loads(w.get("devices", "[]"))), alive=bool(w)
+            host=host,
+            devices=tuple(json.loads(w.get("devices", "[]"))),
+            alive=bool(w),
+            memory={k: float(v) for k, v in json.loads(w.get("memory", "{}")).items()},
         )
-    limits = {t: limit_for(s, t) for t in TYPES}
-    snap = Snapshot(models, workers, limits, now, s.pool.load_timeout_s)
-    return Read(snap, raw, worker_hashes)
-
-
-def limit_for(s: Settings, typ: str) -> int:
-    # No router policies exist yet, so the LLM candidate floor is 0 and autosize changes nothing.
-    floor = 0
-    return effective_limit(
-        s.pool.max_loaded_models, s.pool.llm_pool_autosize and typ == "llm", floor
+    # Rule 3: autosize raises the LLM limit only; other types keep the configured one.
+    limits = {t: auto.effective if t == "llm" else s.pool.max_loaded_models for t in TYPES}
+    snap = Snapshot(
+        models,
+        workers,
+        limits,
+        now,
+        s.pool.load_timeout_s,
+        auto_evict=s.pool.auto_evict,
+        auto_evict_threshold=s.pool.auto_evict_threshold,
     )
+    return Read(snap, raw, worker_hashes, auto)
 
 
 def health_record(rd: Read, s: Settings) -> dict[str, Any]:
@@ -128,6 +146,7 @@ def health_record(rd: Read, s: Settings) -> dict[str, Any]:
                 "last_heartbeat": _f(wh.get("last_heartbeat")),
                 "pid": int(wh["pid"]) if wh.get("pid") else None,
                 "memory_total": int(wh["memory_total"]) if wh.get("memory_total") else None,
+                "memory_used": json.loads(wh.get("memory", "{}")),
             }
         )
     return {
@@ -136,13 +155,7 @@ def health_record(rd: Read, s: Settings) -> dict[str, Any]:
         "max_models": {
             t: {"configured": s.pool.max_loaded_models, "effective": snap.limits[t]} for t in TYPES
         },
-        "llm_pool_autosize": {
-            "enabled": s.pool.llm_pool_autosize,
-            "candidate_floor": 0,
-            "policies": {},
-            "exceeds_max_loaded_models": False,
-            "advisory": None,
-        },
+        "llm_pool_autosize": rd.autosize.health(),
         "auto_evict": {"enabled": s.pool.auto_evict, "threshold": s.pool.auto_evict_threshold},
         "models": models,
         "workers": workers,

@@ -29,6 +29,26 @@ def registry() -> str:
     return f"{PREFIX}registry"
 
 
+def policies() -> str:
+    """hash ``policy name -> JSON {"spec", "source"}``, no TTL. Router policies. The coordinator
+    leader seeds the config file's policies at start; the admin API adds, replaces, deletes."""
+    return f"{PREFIX}policies"
+
+
+def conversation(digest: str) -> str:
+    """string: the candidate a conversation was last routed to, TTL ``CONVERSATION_TTL_S``.
+    Written by web (GETSET) to count routing switches."""
+    return f"{PREFIX}conv:{digest}"
+
+
+def autosize_state() -> str:
+    """hash, no TTL, owned by the coordinator: ``risky`` ("1" while autosize lifts the LLM pool
+    above max_loaded_models with auto_evict off, so the warning fires once per entry) and
+    ``config_version`` (the config semantics this data dir was last run with, for the one-time
+    upgrade notice)."""
+    return f"{PREFIX}autosize"
+
+
 def model(name: str) -> str:
     """hash, no TTL. Residency of one model: ``state`` (see ``residency.states``), ``token`` (the
     load id that owns the state), ``host``, ``device``, ``pid``, ``last_used``, ``loaded_at``,
@@ -152,3 +172,4 @@ WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000
 IDLE_WATCH_TTL_S = 30
+CONVERSATION_TTL_S = 3600

@@ -85,12 +85,13 @@ class Scripts:
         now: float,
         command: dict[str, Any],
         lease: str,
+        pool: str = "standard",
     ) -> tuple[bool, str]:
         """(started, previous state — or 'not_leader' when ``lease`` is no longer ours)."""
         ok, state = self._run(
             "start_load",
             [keys.model(model), keys.agent_commands(host), keys.leader()],
-            [_csv(ModelState.LOADING), token, host, device, now, json.dumps(command), lease],
+            [_csv(ModelState.LOADING), token, host, device, now, json.dumps(command), lease, pool],
         )
         return bool(ok), _s(state)
 

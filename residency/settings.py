@@ -82,9 +82,14 @@ class DebugSettings(_Strict):
 
 
 class ModelSpec(_Strict):
-    """One registered model; its parameters take effect at its next load."""
+    """One registered model: a local GGUF (``path``; its parameters take effect at its next
+    load) or a remote OpenAI-compatible endpoint (``base_url``; forwarded, never loaded here,
+    counted in no pool)."""
 
-    path: str = Field(..., min_length=1)
+    path: str | None = Field(None, min_length=1)
+    base_url: str | None = Field(None, pattern=r"^https?://\S+$")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    remote_model: str | None = Field(None, min_length=1)
     type: Literal["llm", "embedding"] = "llm"
     n_ctx: int = Field(4096, ge=16, le=1 << 20)
     n_gpu_layers: int = Field(-1, ge=-1)
@@ -94,15 +99,17 @@ class ModelSpec(_Strict):
     chat_format: str | None = None
     pinned: bool = False
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_remote_yet(cls, data: Any) -> Any:
-        if isinstance(data, dict) and ("base_url" in data or "api_key_env" in data):
-            raise ValueError(
-                "remote models (base_url) are not supported by this version; "
-                "register a local GGUF path"
-            )
-        return data
+    @model_validator(mode="after")
+    def _local_or_remote(self) -> ModelSpec:
+        if (self.path is None) == (self.base_url is None):
+            raise ValueError("give exactly one of 'path' (a local GGUF) or 'base_url' (remote)")
+        if self.base_url is None and (self.api_key_env or self.remote_model):
+            raise ValueError("'api_key_env' and 'remote_model' apply to remote models only")
+        return self
+
+    @property
+    def remote(self) -> bool:
+        return self.base_url is not None
 
 
 class Settings(_Strict):
@@ -110,13 +117,24 @@ class Settings(_Strict):
     pool: PoolSettings = PoolSettings()
     debug: DebugSettings = DebugSettings()
     models: dict[str, ModelSpec] = {}
+    # Router policies, as written; checked against ``models`` by ``_policies`` below and kept
+    # raw because the registry (not this file) is what they are finally resolved against.
+    policies: dict[str, dict[str, Any]] = {}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_policies_yet(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "policies" in data:
-            raise ValueError("[policies] are not supported by this version")
-        return data
+    @model_validator(mode="after")
+    def _policies(self) -> Settings:
+        from residency import policies as pol  # policies imports settings' name rule
+
+        infos = {n: pol.ModelInfo(s.type, s.remote) for n, s in self.models.items()}
+        problems: dict[str, str] = {}
+        for name, data in self.policies.items():
+            try:
+                pol.parse_policy(name, data, infos)
+            except pol.PolicyError as e:
+                problems.update({f"policies.{name}.{k}": v for k, v in e.problems.items()})
+        if problems:
+            raise ValueError("; ".join(f"{k}: {v}" for k, v in problems.items()))
+        return self
 
     @field_validator("models")
     @classmethod

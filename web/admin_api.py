@@ -14,7 +14,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 from pydantic import ValidationError
 
-from residency import errors, keys, registry
+from residency import errors, keys, policies, policy_store, registry
 from residency.box import ConfigStore, audit
 from residency.errors import ApiError
 from residency.messages import Event, EventType
@@ -24,6 +24,7 @@ from residency.settings import (
     check_model_name,
     validate_patch,
 )
+from web import routing
 from web.body import read_json
 from web.faults import parse_faults
 from web.responses import settings_error
@@ -146,15 +147,19 @@ def put_model(name: str) -> Any:
     except ValidationError as e:
         raise _spec_error(e) from None
     s = st.refresh().settings
-    allowed = [st.box.models_dir, *(Path(d) for d in s.server.model_dirs)]
-    try:
-        resolved = registry.check_path(spec.path, allowed)
-    except registry.PathNotAllowed as e:
-        raise errors.bad_request(str(e), "path", "path_not_allowed") from None
-    if not Path(resolved).is_file():
-        raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
+    if spec.path is not None:
+        allowed = [st.box.models_dir, *(Path(d) for d in s.server.model_dirs)]
+        try:
+            resolved = registry.check_path(spec.path, allowed)
+        except registry.PathNotAllowed as e:
+            raise errors.bad_request(str(e), "path", "path_not_allowed") from None
+        if not Path(resolved).is_file():
+            raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
+        spec = spec.model_copy(update={"path": resolved})
+    if st.r.hexists(keys.policies(), name):
+        raise errors.bad_request(f"'{name}' is the name of a policy", "name", "name_taken")
     existed = registry.get(st.r, name) is not None
-    entry = registry.Entry(name, spec.model_copy(update={"path": resolved}), "admin")
+    entry = registry.Entry(name, spec, "admin")
     gen = _changed(registry.put(st.r, entry, _actor()))
     resp = jsonify({"model": entry.public(), "generation": gen})
     resp.status_code = 200 if existed else 201
@@ -212,6 +217,105 @@ def pin_model(name: str) -> Any:
         raise errors.bad_request("'pinned' must be a boolean", "pinned")
     gen = _changed(registry.set_pinned(st.r, entry, pinned, _actor()))
     return jsonify({"model": name, "pinned": pinned, "generation": gen})
+
+
+# --- policies ---------------------------------------------------------------------------------
+
+
+def _policy_problems(e: policies.PolicyError, what: str) -> ApiError:
+    first = next(iter(e.problems), None)
+    message = f"invalid {what}: " + "; ".join(f"{k}: {v}" for k, v in e.problems.items())
+    err = errors.bad_request(message, first, "invalid_policy")
+    return err
+
+
+def _parse(name: str, body: Any) -> policies.Policy:
+    if not isinstance(body, dict):
+        raise errors.bad_request("expected a policy object", None, "invalid_policy")
+    infos = policy_store.model_infos(registry.all_entries(state().r))
+    try:
+        return policies.parse_policy(name, body, infos)
+    except policies.PolicyError as e:
+        raise _policy_problems(e, f"policy '{name}'") from None
+
+
+@bp.get("/policies")
+def list_policies() -> Any:
+    entries = policy_store.all_entries(state().r)
+    return jsonify({"policies": [e.public() for _, e in sorted(entries.items())]})
+
+
+@bp.get("/policies/<name>")
+def get_policy(name: str) -> Any:
+    entry = policy_store.get(state().r, name)
+    if entry is None:
+        raise ApiError(404, f"no policy '{name}'", param="name", code="policy_not_found")
+    return jsonify(entry.public())
+
+
+@bp.put("/policies/<name>")
+def put_policy(name: str) -> Any:
+    st = state()
+    body = read_json()
+    _parse(name, body)
+    if st.r.hexists(keys.registry(), name):
+        raise errors.bad_request(f"'{name}' is the name of a model", "name", "name_taken")
+    existed = policy_store.get(st.r, name) is not None
+    entry = policy_store.PolicyEntry(name, body, "admin")
+    gen = _changed(policy_store.put(st.r, entry, _actor()))
+    resp = jsonify({"policy": entry.public(), "generation": gen})
+    resp.status_code = 200 if existed else 201
+    return resp
+
+
+@bp.delete("/policies/<name>")
+def delete_policy(name: str) -> Any:
+    st = state()
+    entry = policy_store.get(st.r, name)
+    if entry is None:
+        raise ApiError(404, f"no policy '{name}'", param="name", code="policy_not_found")
+    if entry.source == "file":
+        raise ApiError(
+            409,
+            f"policy '{name}' is defined in the config file; remove it there",
+            type="conflict_error",
+            param="name",
+            code="defined_in_file",
+        )
+    gen = _changed(policy_store.delete(st.r, name, _actor()))
+    return jsonify({"deleted": name, "generation": gen})
+
+
+@bp.post("/policies/validate")
+def validate_policy() -> Any:
+    """The decision and trace for a sample request, without serving it: ``{"policy": name or
+    an inline policy object, "request": a chat body (messages, tools, metadata)}``."""
+    st = state()
+    body = read_json()
+    ref = body.get("policy")
+    if isinstance(ref, str):
+        entry = policy_store.get(st.r, ref)
+        if entry is None:
+            raise ApiError(404, f"no policy '{ref}'", param="policy", code="policy_not_found")
+        name, policy = ref, _parse(ref, entry.spec)
+    elif isinstance(ref, dict):
+        name, policy = "(inline)", _parse("inline", ref)
+    else:
+        raise errors.bad_request("'policy' must be a policy name or object", "policy")
+    sample = body.get("request")
+    if not isinstance(sample, dict):
+        raise errors.bad_request("'request' must be a chat completion body", "request")
+    inp = policies.RoutingInput.from_chat(sample)
+    decision = routing.decide(st, st.refresh().settings, name, policy, inp)
+    return jsonify(
+        {
+            "policy": name,
+            "candidate": decision.candidate,
+            "rule": decision.rule,
+            "used_default": decision.used_default,
+            "trace": decision.trace,
+        }
+    )
 
 
 # --- audit ------------------------------------------------------------------------------------

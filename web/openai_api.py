@@ -7,18 +7,20 @@ import json
 import logging
 import struct
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from flask import Blueprint, Response, g, jsonify, request
 
-from residency import errors, keys
+from residency import errors, keys, policy_store
 from residency.errors import ApiError
 from residency.messages import Kind
+from residency.policy_store import PolicyEntry
 from residency.registry import Entry, all_entries
-from web import bus, validation
+from web import bus, remote, routing, validation
 from web.body import check_size, read_json
-from web.state import State, state
+from web.state import State, View, state
 
 log = logging.getLogger(__name__)
 
@@ -35,38 +37,63 @@ def _count(resp: Response) -> Response:
     return resp
 
 
-def _resolve(st: State, model: str, kind: Kind) -> tuple[Entry, int, float]:
-    """The registry entry for ``model`` (404 when unknown, 400 for the wrong type), the queue
-    bound and the reply timeout — from one Redis round trip."""
-    view, entry = st.lookup(model)
-    if entry is None:
-        raise errors.model_not_found(model)
-    g.model_label = model
+@dataclass
+class Target:
+    """Where one request goes: a registered model, reached directly or through a policy."""
+
+    entry: Entry
+    view: View
+    route: str | None = None  # the x-residency-route header value
+    trace: dict[str, Any] | None = None
+
+
+def _check_type(entry: Entry, kind: Kind, param: str = "model") -> None:
     want_embedding = kind is Kind.EMBEDDING
     if (entry.spec.type == "embedding") != want_embedding:
         what = "embeddings" if want_embedding else "text generation"
         raise errors.bad_request(
-            f"model '{model}' is of type '{entry.spec.type}' and cannot serve {what}",
-            "model",
+            f"model '{entry.name}' is of type '{entry.spec.type}' and cannot serve {what}",
+            param,
             "wrong_model_type",
         )
-    srv, pool = view.settings.server, view.settings.pool
-    check_size(srv.max_request_bytes)
-    return entry, pool.max_queue_per_model, srv.request_timeout_s
 
 
-def _submit(kind: Kind, v: validation.Validated) -> bus.Call:
-    st = state()
-    _entry, bound, timeout_s = _resolve(st, v.model, kind)
+def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Target:
+    """The registry entry to serve ``model`` (404 when unknown, 400 for the wrong type); a
+    policy name is routed to one of its candidates first."""
+    view, entry, policy = st.lookup(model)
+    g.model_label = model
+    check_size(view.settings.server.max_request_bytes)
+    if policy is not None and kind is not Kind.EMBEDDING:
+        decision = routing.route(st, view.settings, policy, kind, body)
+        _view, entry, _ = st.lookup(decision.candidate)
+        if entry is None:
+            raise ApiError(
+                503,
+                f"policy '{model}' chose '{decision.candidate}', which is not registered",
+                type="server_error",
+                code="candidate_missing",
+                retry_after=5,
+            )
+        _check_type(entry, kind)
+        return Target(entry, view, routing.route_header(model, decision), decision.trace)
+    if entry is None:
+        raise errors.model_not_found(model)
+    _check_type(entry, kind)
+    return Target(entry, view)
+
+
+def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Call:
+    srv, pool = t.view.settings.server, t.view.settings.pool
     return bus.submit(
         st.r,
         st.scripts,
         kind=kind,
-        model=v.model,
+        model=t.entry.name,
         params=v.params,
         stream=v.stream,
-        bound=bound,
-        timeout_s=timeout_s,
+        bound=pool.max_queue_per_model,
+        timeout_s=srv.request_timeout_s,
     )
 
 
@@ -81,8 +108,9 @@ def _sse(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _stream_response(call: bus.Call) -> Response:
-    chunks = call.chunks()
+def _stream_response(
+    chunks: Iterator[dict[str, Any]], model: str, on_abandon: Callable[[], None], t: Target
+) -> Response:
     # Pull the first chunk before answering, so that an error that happens before any output
     # (queue full, load failed, timeout) reaches the client as a proper HTTP status.
     first = next(chunks, None)
@@ -91,10 +119,13 @@ def _stream_response(call: bus.Call) -> Response:
         finished = False
         try:
             if first is not None:
-                yield _sse(_named(first, call.model))
+                head = _named(first, model)
+                if t.trace is not None:
+                    head["route_trace"] = t.trace
+                yield _sse(head)
                 try:
                     for c in chunks:
-                        yield _sse(_named(c, call.model))
+                        yield _sse(_named(c, model))
                 except ApiError as e:
                     yield _sse(e.envelope())
             yield "data: [DONE]\n\n"
@@ -102,28 +133,64 @@ def _stream_response(call: bus.Call) -> Response:
         finally:
             # GeneratorExit here means the client went away: stop the generation.
             if not finished:
-                chunks.close()
-                call.abandon()
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()
+                on_abandon()
 
-    return Response(events(), mimetype="text/event-stream", headers=SSE_HEADERS)
+    return Response(events(), mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
 
 
-def _generate(kind: Kind, validate: Callable[[Mapping[str, Any]], validation.Validated]) -> Any:
-    v = validate(read_json())
-    call = _submit(kind, v)
-    if v.stream:
-        return _stream_response(call)
-    return jsonify(_named(call.result(), v.model))
+def _headers(t: Target, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    out = dict(base or {})
+    if t.route is not None:
+        out["x-residency-route"] = t.route
+    return out
+
+
+def _route_trace_wanted(body: dict[str, Any]) -> bool:
+    want = body.pop("route_trace", False)
+    if not isinstance(want, bool):
+        raise errors.bad_request("'route_trace' must be a boolean", "route_trace")
+    return want
+
+
+def _generate(
+    kind: Kind, path: str, validate: Callable[[Mapping[str, Any]], validation.Validated]
+) -> Any:
+    body = read_json()
+    want_trace = _route_trace_wanted(body)
+    v = validate(body)
+    st = state()
+    t = _resolve(st, v.model, kind, body)
+    if not want_trace:
+        t.trace = None
+    name = t.entry.name
+    if t.entry.spec.remote:
+        fwd = remote.forward(
+            name, t.entry.spec, path, body, t.view.settings.server.request_timeout_s
+        )
+        if v.stream:
+            return _stream_response(fwd.events(), name, fwd.close, t)
+        out = _named(fwd.json(), name)
+    else:
+        call = _submit(st, kind, v, t)
+        if v.stream:
+            return _stream_response(call.chunks(), name, call.abandon, t)
+        out = _named(call.result(), name)
+    if t.trace is not None:
+        out["route_trace"] = t.trace
+    return jsonify(out), 200, _headers(t)
 
 
 @bp.post("/chat/completions")
 def chat_completions() -> Any:
-    return _generate(Kind.CHAT, validation.validate_chat)
+    return _generate(Kind.CHAT, "/chat/completions", validation.validate_chat)
 
 
 @bp.post("/completions")
 def completions() -> Any:
-    return _generate(Kind.COMPLETION, validation.validate_completion)
+    return _generate(Kind.COMPLETION, "/completions", validation.validate_completion)
 
 
 def _base64(vec: list[float]) -> str:
@@ -133,8 +200,23 @@ def _base64(vec: list[float]) -> str:
 
 @bp.post("/embeddings")
 def embeddings() -> Any:
-    v = validation.validate_embedding(read_json())
-    out = _named(_submit(Kind.EMBEDDING, v).result(), v.model)
+    body = read_json()
+    v = validation.validate_embedding(body)
+    st = state()
+    t = _resolve(st, v.model, Kind.EMBEDDING, body)
+    if t.entry.spec.remote:
+        out = _named(
+            remote.forward(
+                t.entry.name,
+                t.entry.spec,
+                "/embeddings",
+                body,
+                t.view.settings.server.request_timeout_s,
+            ).json(),
+            v.model,
+        )
+        return jsonify(out)
+    out = _named(_submit(st, Kind.EMBEDDING, v, t).result(), v.model)
     if v.options.get("encoding_format") == "base64":
         for item in out.get("data", []):
             if isinstance(item.get("embedding"), list):
@@ -170,13 +252,29 @@ def list_models() -> Any:
     entries = sorted(all_entries(st.r).values(), key=lambda e: e.name)
     states = _states(st.r, [e.name for e in entries])
     data = [_model_object(e, s) for e, s in zip(entries, states, strict=True)]
+    data += [_policy_object(p) for _, p in sorted(policy_store.all_entries(st.r).items())]
     return jsonify({"object": "list", "data": data})
+
+
+def _policy_object(p: PolicyEntry) -> dict[str, Any]:
+    """A policy is listed like a model (clients pick it by name), marked as a policy."""
+    return {
+        "id": p.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "residency",
+        "type": "policy",
+        "candidates": list(p.spec.get("candidates", [])),
+        "default": p.spec.get("default"),
+    }
 
 
 @bp.get("/models/<path:model_id>")
 def get_model(model_id: str) -> Any:
     st = state()
-    _view, entry = st.lookup(model_id)
+    _view, entry, policy = st.lookup(model_id)
+    if policy is not None:
+        return jsonify(_policy_object(policy))
     if entry is None:
         raise errors.model_not_found(model_id)
     return jsonify(_model_object(entry, _states(st.r, [model_id])[0]))

@@ -18,6 +18,7 @@ from flask import current_app
 from residency import keys
 from residency.box import Box, ConfigStore
 from residency.lua import Scripts
+from residency.policy_store import PolicyEntry
 from residency.registry import Entry
 from residency.settings import Settings
 
@@ -88,14 +89,16 @@ class State:
         """One GET of the generation; reloads the settings only if it moved."""
         return self.at(int(self.r.get(keys.generation()) or 0))
 
-    def lookup(self, model: str) -> tuple[View, Entry | None]:
-        """Settings and the model's registry entry in one pipelined round trip."""
+    def lookup(self, model: str) -> tuple[View, Entry | None, PolicyEntry | None]:
+        """Settings, and the name's registry entry or policy, in one pipelined round trip."""
         pipe = self.r.pipeline(transaction=False)
         pipe.get(keys.generation())
         pipe.hget(keys.registry(), model)
-        gen, raw = pipe.execute()
+        pipe.hget(keys.policies(), model)
+        gen, raw, raw_policy = pipe.execute()
         view = self.at(int(gen or 0))
-        return view, Entry.loads(model, raw) if raw else None
+        entry = Entry.loads(model, raw) if raw else None
+        return view, entry, PolicyEntry.loads(model, raw_policy) if raw_policy else None
 
     # --- admin key ---------------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ class Agent:
             mapping={
                 "devices": json.dumps(self.devices),
                 "memory_total": devices.memory_total(),
+                "memory": json.dumps(devices.memory_used(self.devices, self._pressure())),
                 "pid": os.getpid(),
                 "last_heartbeat": now,
             },
@@ -84,6 +85,11 @@ class Agent:
         pipe.sadd(keys.workers(), self.host)
         pipe.execute()
         self._last_beat = now
+
+    def _pressure(self) -> float | None:
+        """The ``memory_pressure`` fault (written only when fault injection is enabled)."""
+        raw = cast(str | None, self.r.hget(keys.faults(), "memory_pressure"))
+        return float(raw) if raw else None
 
     def reconcile_on_start(self) -> None:
         """Models this host held before the agent restarted have lost their processes (they die

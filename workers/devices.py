@@ -64,3 +64,29 @@ def cpu_affinity(device: str) -> set[int] | None:
         lo, _, hi = part.partition("-")
         cores.update(range(int(lo), int(hi or lo) + 1))
     return cores
+
+
+def memory_used(device_list: list[str], pressure_override: float | None = None) -> dict[str, float]:
+    """Fraction of memory in use per device: NVML for a GPU when pynvml is installed, system
+    memory otherwise (a CPU model lives in it). ``pressure_override`` (the ``memory_pressure``
+    fault, for drills) replaces every reading."""
+    if pressure_override is not None:
+        return {d: pressure_override for d in device_list}
+    system = psutil.virtual_memory().percent / 100.0
+    out = {d: system for d in device_list}
+    gpus = [d for d in device_list if d.startswith("cuda:")]
+    if gpus:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                for d in gpus:
+                    h = pynvml.nvmlDeviceGetHandleByIndex(int(d.split(":", 1)[1]))
+                    info = pynvml.nvmlDeviceGetMemoryInfo(h)
+                    out[d] = float(info.used) / float(info.total)
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return out

@@ -33,6 +33,8 @@ class LlamaRuntime:
     def load(self, spec: ModelSpec, device: str) -> None:
         import llama_cpp  # imported here: web and coordinator processes never need it
 
+        if spec.path is None:
+            raise ValueError("a remote model is never loaded")
         self._llm = llama_cpp.Llama(
             model_path=spec.path,
             n_ctx=spec.n_ctx,

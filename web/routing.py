@@ -1,0 +1,135 @@
+"""Routing a request for a policy (a virtual model name) to one of its candidates.
+
+The decision itself is pure (``residency.policies``); this module supplies what it needs from
+the outside — calls to routing-helper models (an LLM router, classifiers) through the same bus
+as any request — and records what was decided (metrics, the conversation-switch counter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import Counter
+
+from residency import keys, policies
+from residency.errors import ApiError
+from residency.messages import Kind
+from residency.policy_store import PolicyEntry
+from residency.settings import Settings
+from web import bus
+from web.state import State
+
+log = logging.getLogger(__name__)
+
+#: A helper call is part of one request's routing, so it gets a shorter leash than a request.
+HELPER_TIMEOUT_S = 60.0
+
+DECISIONS = Counter(
+    "residency_routing_decisions_total",
+    "Routing decisions by policy and matched rule (or default, router)",
+    ["policy", "rule"],
+)
+SWITCHES = Counter(
+    "residency_routing_switches_total",
+    "Conversations whose routed candidate changed since their previous turn",
+    ["policy"],
+)
+
+
+def call_helper(
+    st: State, s: Settings, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> str:
+    """Ask a routing helper (a local LLM in the helper pool) and return its reply text."""
+    call = bus.submit(
+        st.r,
+        st.scripts,
+        kind=Kind.CHAT,
+        model=model,
+        params={
+            "messages": messages,
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "response_format": {"type": "json_object"},
+        },
+        stream=False,
+        bound=s.pool.max_queue_per_model,
+        timeout_s=min(HELPER_TIMEOUT_S, s.server.request_timeout_s),
+    )
+    out = call.result()
+    return str(out["choices"][0]["message"].get("content") or "")
+
+
+def routing_input(kind: Kind, body: Mapping[str, Any]) -> policies.RoutingInput:
+    if kind is Kind.CHAT:
+        return policies.RoutingInput.from_chat(body)
+    return policies.RoutingInput.from_completion(body)
+
+
+def decide(
+    st: State, s: Settings, name: str, policy: policies.Policy, inp: policies.RoutingInput
+) -> policies.Decision:
+    """The candidate for this request. A failing helper never fails the request: the router
+    falls back to the default, and a failing classifier leaf counts as no match."""
+    if policy.router is not None:
+        router = policy.router
+        try:
+            reply = call_helper(
+                st, s, router.model, policies.router_messages(name, policy, inp), router.max_tokens
+            )
+        except ApiError as e:
+            return policies.router_decision(name, policy, None, error=e.message)
+        return policies.router_decision(name, policy, reply)
+
+    def classify(clf_id: str, text: str) -> Mapping[str, float]:
+        clf = policy.classifiers[clf_id]
+        reply = call_helper(st, s, clf.model, policies.classifier_messages(clf_id, clf, text), 256)
+        return policies.parse_classifier_reply(clf, reply)
+
+    return policies.evaluate(name, policy, inp, classify)
+
+
+def conversation_digest(body: Mapping[str, Any]) -> str | None:
+    """A conversation is its system prompt plus its first user message (what stays the same
+    from turn to turn); None for requests without messages."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return None
+    system = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "system"), {})
+    first = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+    if first is None:
+        return None
+    raw = json.dumps([system.get("content"), first.get("content")], sort_keys=True, default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def record(st: State, policy: str, decision: policies.Decision, body: Mapping[str, Any]) -> None:
+    DECISIONS.labels(policy, decision.rule).inc()
+    digest = conversation_digest(body)
+    if digest is None:
+        return
+    pipe = st.r.pipeline(transaction=False)
+    pipe.set(keys.conversation(digest), decision.candidate, ex=keys.CONVERSATION_TTL_S, get=True)
+    (previous,) = pipe.execute()
+    if previous is not None and previous != decision.candidate:
+        SWITCHES.labels(policy).inc()
+
+
+def route(
+    st: State, s: Settings, entry: PolicyEntry, kind: Kind, body: Mapping[str, Any]
+) -> policies.Decision:
+    try:
+        policy = policies.Policy.model_validate(entry.spec)
+    except ValueError as e:
+        log.error("policy %s does not parse: %s", entry.name, e)
+        raise ApiError(500, f"policy '{entry.name}' is invalid", type="server_error") from e
+    decision = decide(st, s, entry.name, policy, routing_input(kind, body))
+    record(st, entry.name, decision, body)
+    return decision
+
+
+def route_header(policy: str, decision: policies.Decision) -> str:
+    return f"{policy}:{decision.rule}:{decision.candidate}"
