@@ -53,15 +53,17 @@ def toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
     return str(v)
 
 
 def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
     lines: list[str] = []
     for section, values in sections.items():
-        if section == "models":
+        if section in ("models", "policies"):
             for name, spec in values.items():
-                lines.append(f'[models."{name}"]')
+                lines.append(f'[{section}."{name}"]')
                 lines += [f"{k} = {toml_value(v)}" for k, v in spec.items()]
         else:
             lines.append(f"[{section}]")
@@ -133,6 +135,7 @@ def start_pool(
         models: dict[str, dict[str, Any]] | None = None,
         debug: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None,
+        policies: dict[str, dict[str, Any]] | None = None,
     ) -> Pool:
         cfg = write_config(
             tmp_path / "config.toml",
@@ -141,6 +144,7 @@ def start_pool(
                 "pool": pool or {},
                 "debug": debug or {},
                 "models": models if models is not None else tiny_models(models_dir),
+                "policies": policies or {},
             },
         )
         box = Box(

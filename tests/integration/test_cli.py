@@ -68,3 +68,18 @@ def test_embedded_redis_persists_admin_changes(tmp_path: Path) -> None:
     finally:
         r.close()
         srv.stop()
+
+
+def test_config_file_policies_are_validated_at_start(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(
+        f'[models.a]\npath = "{model}"\n'
+        '[policies.auto]\ncandidates = ["a", "ghost"]\ndefault = "a"\n'
+        'rules = [{ id = "r", match = { regex = "(x+)+" }, route_to = "a" }]\n'
+    )
+    res = run("coordinator", "--config", str(cfg), "--data-dir", str(tmp_path))
+    assert res.returncode == 2
+    assert "policies.auto.candidates" in res.stderr
+    assert "policies.auto.rules[0].match.regex" in res.stderr

@@ -269,3 +269,44 @@ def test_risky_state_warning_fires_once_per_entry(
         patch(c, {"auto_evict": False})  # entered again
         settle()
         assert warnings() == 2
+
+
+def test_file_policy_and_one_time_upgrade_notice(
+    start_pool: Callable[..., Pool], r: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data dir that ran before autosize existed (a generation, no config-version marker)
+    gets one notice on its first start in the risky state, and never again."""
+    r.set(keys.generation(), 41)  # an existing data dir from before the marker
+    with caplog.at_level(logging.INFO, logger="residency.coordinator"):
+        pool = start_pool(pool={"max_loaded_models": 1}, policies={"auto": AUTO})
+        c = client_for(pool)
+        pool.wait_for(lambda: health(c)["max_models"]["llm"]["effective"] == 2, what="floor")
+        notices = [m for m in caplog.messages if m.startswith("upgrade notice")]
+        assert len(notices) == 1 and "llm_pool_autosize=false" in notices[0]
+        assert any(m.startswith("LLM limit is 2") for m in caplog.messages)
+    assert r.hget(keys.autosize_state(), "config_version") == "2"
+    assert c.get("/admin/policies/auto", headers=ADMIN).get_json()["source"] == "file"
+
+
+def test_memory_pressure_evicts_idle_models_by_score_never_busy_or_pinned(
+    start_pool: Callable[..., Pool],
+) -> None:
+    pool = start_pool(pool={"max_loaded_models": -1}, debug={"fault_injection": True})
+    c = client_for(pool)
+    for m in ("a", "b", "c"):
+        assert ask(c, m, "x").status_code == 200
+    c.post("/admin/models/b/pin", json={"pinned": True}, headers=ADMIN)
+    c.post("/admin/faults", json={"hold": {"c": True}}, headers=ADMIN)
+    t = threading.Thread(target=lambda: ask(client_for(pool), "c", "busy"), daemon=True)
+    t.start()
+    pool.wait_for(lambda: pool.r.llen(keys.processing("c")) == 1, what="c busy")
+    patch(c, {"auto_evict": True})  # threshold 0.9: real memory use here stays below it
+    c.post("/admin/faults", json={"memory_pressure": 0.99}, headers=ADMIN)
+    pool.wait_for(lambda: pool.state("a") == "unloaded", what="a evicted under pressure")
+    passes = pool.coordinator.passes
+    pool.wait_for(lambda: pool.coordinator.passes >= passes + 4, what="more passes")
+    assert pool.state("b") == "ready" and pool.state("c") == "ready"  # pinned, busy
+    c.post("/admin/faults", json={"hold": {"c": False}, "memory_pressure": 0}, headers=ADMIN)
+    t.join(30)
+    evicted = pool.r.hget(keys.metric_counters(), 'residency_evictions_total|{"reason":"memory"}')
+    assert float(str(evicted)) == 1

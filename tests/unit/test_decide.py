@@ -196,3 +196,31 @@ def test_idle_events_are_wanted_only_while_something_waits_for_one() -> None:
     # over the limit because of pins: idle events would not help
     s = snap(mv("a", S.READY, pinned=True), mv("b", S.READY, pinned=True))
     assert not waits_for_idle(decide(s), s)
+
+
+def test_memory_backstop_evicts_the_best_scored_idle_unpinned_model() -> None:
+    from coordinator.decide import eviction_score
+
+    hot = {"box1": WorkerView("box1", ("cpu",), memory={"cpu": 0.95})}
+    ms = [
+        # idle 900 s, reloads in 1 s -> score 900: evicted first
+        mv("cheap", S.READY, last_used=100.0, load_seconds=1.0),
+        # idle 990 s but reloads in 10 s -> 99
+        mv("slow", S.READY, last_used=10.0, load_seconds=10.0),
+        mv("busy", S.READY, last_used=0.0, load_seconds=0.1, in_flight=1),
+        mv("pinned", S.READY, last_used=0.0, load_seconds=0.1, pinned=True),
+    ]
+    s = snap(*ms, limit=-1, workers=hot, auto_evict=True, auto_evict_threshold=0.9)
+    assert eviction_score(ms[0], 1000.0) == 900.0
+    assert of(Evict, decide(s)) == [Evict("cheap", "t-cheap", "memory")]
+
+
+def test_memory_backstop_off_below_threshold_or_while_one_drains() -> None:
+    hot = {"box1": WorkerView("box1", ("cpu",), memory={"cpu": 0.95})}
+    idle = mv("a", S.READY, last_used=1.0, load_seconds=1.0)
+    assert of(Evict, decide(snap(idle, limit=-1, workers=hot))) == []  # auto_evict off
+    cool = {"box1": WorkerView("box1", ("cpu",), memory={"cpu": 0.5})}
+    assert of(Evict, decide(snap(idle, limit=-1, workers=cool, auto_evict=True))) == []
+    draining = mv("b", S.DRAINING)
+    acts = decide(snap(idle, draining, limit=-1, workers=hot, auto_evict=True))
+    assert of(Evict, acts) == []  # its memory is not given back yet: wait for it
