@@ -111,9 +111,9 @@ def record(st: State, policy: str, decision: policies.Decision, body: Mapping[st
     digest = conversation_digest(body)
     if digest is None:
         return
-    pipe = st.r.pipeline(transaction=False)
-    pipe.set(keys.conversation(digest), decision.candidate, ex=keys.CONVERSATION_TTL_S, get=True)
-    (previous,) = pipe.execute()
+    previous = st.r.set(
+        keys.conversation(digest), decision.candidate, ex=keys.CONVERSATION_TTL_S, get=True
+    )
     if previous is not None and previous != decision.candidate:
         SWITCHES.labels(policy).inc()
 

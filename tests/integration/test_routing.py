@@ -40,6 +40,14 @@ def health(c: FlaskClient) -> dict[str, Any]:
     return dict(c.get("/health").get_json())
 
 
+def switches(c: FlaskClient) -> float:
+    text = c.get("/metrics").get_data(as_text=True)
+    for line in text.splitlines():
+        if line.startswith('residency_routing_switches_total{policy="auto"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def put_policy(c: FlaskClient, name: str, spec: dict[str, Any]) -> Any:
     return c.put(f"/admin/policies/{name}", json=spec, headers=ADMIN)
 
@@ -178,8 +186,15 @@ def test_route_header_trace_and_stream_first_event(start_pool: Callable[..., Poo
         headers=ADMIN,
     ).get_json()
     assert (v["candidate"], v["rule"]) == ("b", "code")
+    # A conversation whose next turn goes to another candidate counts one switch.
+    before = switches(c)
+    turn = [{"role": "user", "content": "hello"}]
+    c.post("/v1/chat/completions", json={"model": "auto", "messages": turn, "max_tokens": 2})
+    turn += [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "def f(): 1"}]
+    c.post("/v1/chat/completions", json={"model": "auto", "messages": turn, "max_tokens": 2})
     metrics = c.get("/metrics").get_data(as_text=True)
     assert 'residency_routing_decisions_total{policy="auto",rule="code"}' in metrics
+    assert switches(c) == before + 1
 
 
 def test_bad_policy_is_rejected_naming_the_field(start_pool: Callable[..., Pool]) -> None:
