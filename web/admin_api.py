@@ -65,7 +65,7 @@ def get_config() -> Any:
     view = state().refresh()
     return jsonify(
         {
-            "config": view.settings.model_dump(exclude={"models"}),
+            "config": view.settings.model_dump(exclude={"models", "policies"}),
             "sources": view.sources,
             "generation": view.generation,
         }

