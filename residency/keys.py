@@ -116,6 +116,13 @@ def agent_commands(host: str) -> str:
     return f"{PREFIX}agent:{host}:cmds"
 
 
+def standby(host: str, ident: str) -> str:
+    """list holding at most one load command for the warm standby process ``ident`` of the agent
+    on ``host`` (a process that has already started and imported llama.cpp, waiting for a
+    model). Written by that agent, read and deleted by the standby process."""
+    return f"{PREFIX}standby:{host}:{ident}"
+
+
 def worker(host: str) -> str:
     """hash, TTL ``WORKER_TTL_S`` renewed by the agent's heartbeat: devices, memory, pid,
     last_heartbeat. Its absence means the host is gone."""

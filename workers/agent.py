@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import cast
 
@@ -64,6 +65,10 @@ class Agent:
         self.devices = device_list or devices.discover(dict(box.environ))
         self.stop = stop or threading.Event()
         self.children: dict[str, Child] = {}
+        # One warm process per device, already started and with llama.cpp imported, takes the
+        # next load on that device: a load then costs the model's own load time only.
+        self.use_standby = box.base_settings().worker.standby_process
+        self.standbys: dict[str, Child] = {}
         self._last_beat = 0.0
 
     # -- registration -----------------------------------------------------------------------
@@ -137,6 +142,18 @@ class Agent:
             # An older process of this model still runs (its state was taken from it): stop it
             # before the new one starts, so one model never has two processes.
             self._stop_child(old)
+        warm = self.standbys.pop(device, None)
+        if warm is not None and warm.proc.poll() is None:
+            self.r.rpush(keys.standby(self.host, warm.token), raw)
+            proc = warm.proc
+            log.info("%s goes to the warm process %d on %s", model, proc.pid, device)
+        else:
+            proc = self._spawn(device, "--command", raw)
+            log.info("spawned %s (pid %d) on %s", model, proc.pid, device)
+        self.children[model] = Child(model, token, device, proc)
+
+    def _spawn(self, device: str, *args: str) -> subprocess.Popen[bytes]:
+        """A model process pinned to ``device`` (one GPU visible, or the device's CPU cores)."""
         cores = devices.cpu_affinity(device)
         env = devices.child_env(device, dict(os.environ))
         env["RESIDENCY_REDIS_URL"] = self.box.redis_url or ""
@@ -147,23 +164,34 @@ class Agent:
             if cores:
                 os.sched_setaffinity(0, cores)
 
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.model_process", "--command", raw],
+        return subprocess.Popen(
+            [sys.executable, "-m", "workers.model_process", *args],
             env=env,
             stdin=subprocess.DEVNULL,
             preexec_fn=_preexec,
         )
-        self.children[model] = Child(model, token, device, proc)
-        log.info("spawned %s (pid %d) on %s", model, proc.pid, device)
+
+    def replenish_standbys(self, loading: bool) -> None:
+        """Start a warm process for each device that lacks one — but not while a load runs: on
+        a small machine the standby's start-up would slow the load it is meant to speed up."""
+        for device, c in list(self.standbys.items()):
+            if c.proc.poll() is not None:
+                del self.standbys[device]
+        if not self.use_standby or loading:
+            return
+        for device in self.devices:
+            if device not in self.standbys:
+                ident = uuid.uuid4().hex
+                proc = self._spawn(device, "--standby", keys.standby(self.host, ident))
+                self.standbys[device] = Child("", ident, device, proc)
 
     def watch_children(self) -> None:
-        if not self.children:
-            return
         names = list(self.children)
         pipe = self.r.pipeline(transaction=False)
         for n in names:
             pipe.hmget(keys.model(n), ["state", "token"])
-        states = pipe.execute()
+        states = pipe.execute() if names else []
+        self.replenish_standbys(any(s == ModelState.LOADING.value for s, _ in states))
         for n, (state, token) in zip(names, states, strict=True):
             c = self.children[n]
             code = c.proc.poll()
@@ -213,6 +241,9 @@ class Agent:
     def shutdown(self) -> None:
         """Stop every model process (SIGTERM, then SIGKILL after the grace period) and hand
         their work back, then deregister the host."""
+        for c in self.standbys.values():
+            procs.terminate(c.proc, STOP_GRACE_S)
+        self.standbys.clear()
         children = list(self.children.values())
         for c in children:
             if c.proc.poll() is None:

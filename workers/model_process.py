@@ -264,15 +264,24 @@ def build_runtime(
     return FaultyRuntime(rt, r, model, stop) if fault_injection else rt
 
 
+def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | None:
+    """A standby process waits here (bounded waits, so a stop is seen) for its one command."""
+    while not stop.is_set():
+        item = r.blpop([key], timeout=1)
+        if item is not None:
+            r.delete(key)
+            return str(item[1])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="residency-model-process")
-    ap.add_argument("--command", required=True, help="the agent's load command (JSON)")
-    args = ap.parse_args(argv)
-    cmd = json.loads(args.command)
-    logging.basicConfig(
-        level=os.environ.get("RESIDENCY_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s %(levelname)s model[{cmd['model']}] %(message)s",
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--command", help="the agent's load command (JSON)")
+    group.add_argument(
+        "--standby", metavar="KEY", help="start warm and wait on this list for the load command"
     )
+    args = ap.parse_args(argv)
     stop = threading.Event()
 
     def _on_term(signum: int, _frame: object) -> None:
@@ -281,6 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
     r = connect(os.environ["RESIDENCY_REDIS_URL"])
+    if args.standby:
+        LlamaRuntime.warm_up()
+        raw = wait_for_command(r, args.standby, stop)
+        if raw is None:
+            return 0
+        cmd = json.loads(raw)
+    else:
+        cmd = json.loads(args.command)
+    logging.basicConfig(
+        level=os.environ.get("RESIDENCY_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s model[{cmd['model']}] %(message)s",
+    )
     spec = ModelSpec.model_validate(cmd["spec"])
     proc = ModelProcess(
         r,

@@ -48,6 +48,14 @@ class LlamaRuntime:
             verbose=False,
         )
 
+    @staticmethod
+    def warm_up() -> None:
+        """Pay what every load pays before it knows its model — importing llama.cpp and
+        initializing its backend — in a standby process, ahead of the load command."""
+        import llama_cpp
+
+        llama_cpp.llama_backend_init()
+
     @property
     def llm(self) -> Any:
         if self._llm is None:

@@ -240,3 +240,19 @@ def test_health_is_one_record_and_a_stale_one_never_replaces_it(
         what="the change published",
     )
     assert c.get("/health").get_json()["generation"] > newer
+
+
+def test_a_load_goes_to_the_warm_standby_process(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool(pool={"max_loaded_models": 1})
+    c = client_for(pool)
+    pool.wait_for(lambda: "cpu" in pool.agent.standbys, what="a warm process on cpu")
+    warm_pid = pool.agent.standbys["cpu"].proc.pid
+    assert chat(c, "a").status_code == 200
+    assert pool.pid("a") == warm_pid
+    # once the load is done, the next one gets a fresh warm process
+    pool.wait_for(
+        lambda: "cpu" in pool.agent.standbys and pool.agent.standbys["cpu"].proc.pid != warm_pid,
+        what="a new warm process",
+    )
+    assert chat(c, "b").status_code == 200
+    assert pool.pid("b") not in (None, warm_pid)
