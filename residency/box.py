@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -144,14 +144,29 @@ class ConfigStore:
         return int(self.r.get(keys.generation()) or 0)
 
     def apply_patch(self, flat: Mapping[str, Any], actor: str) -> int:
-        """Persist validated changes, bump the generation, audit, and tell the coordinator —
-        one MULTI, so the change and its event are never seen apart."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.config_admin(), mapping={k: json.dumps(v) for k, v in flat.items()})
-        pipe.incr(keys.generation())
-        audit(pipe, actor, "config.patch", dict(flat))
-        pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
-        return int(pipe.execute()[1])
+        """Persist validated changes (see ``commit_change``)."""
+        mapping = {k: json.dumps(v) for k, v in flat.items()}
+        return commit_change(
+            self.r,
+            actor,
+            "config.patch",
+            dict(flat),
+            lambda p: p.hset(keys.config_admin(), mapping=mapping),
+        )
+
+
+def commit_change(
+    r: redis.Redis, actor: str, action: str, detail: dict[str, Any], op: Callable[[Any], Any]
+) -> int:
+    """Every admin change: apply ``op``, bump the generation, write the audit record and tell
+    the coordinator — one MULTI, so a change and its event are never seen apart. Returns the
+    new generation."""
+    pipe = r.pipeline(transaction=True)
+    op(pipe)
+    pipe.incr(keys.generation())
+    audit(pipe, actor, action, detail)
+    pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+    return int(pipe.execute()[1])
 
 
 def audit(pipe: Any, actor: str, action: str, detail: dict[str, Any]) -> None:

@@ -18,8 +18,7 @@ import redis
 from pydantic import ValidationError
 
 from residency import keys
-from residency.box import audit
-from residency.messages import Event, EventType
+from residency.box import commit_change
 from residency.policies import ModelInfo, Policy
 from residency.registry import Entry
 
@@ -70,17 +69,8 @@ def parsed(entries: Mapping[str, PolicyEntry]) -> dict[str, Policy]:
     return out
 
 
-def _commit(r: redis.Redis, actor: str, action: str, detail: dict[str, Any], op: Any) -> int:
-    pipe = r.pipeline(transaction=True)
-    op(pipe)
-    pipe.incr(keys.generation())
-    audit(pipe, actor, action, detail)
-    pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
-    return int(pipe.execute()[1])
-
-
 def put(r: redis.Redis, entry: PolicyEntry, actor: str) -> int:
-    return _commit(
+    return commit_change(
         r,
         actor,
         "policy.put",
@@ -90,7 +80,7 @@ def put(r: redis.Redis, entry: PolicyEntry, actor: str) -> int:
 
 
 def delete(r: redis.Redis, name: str, actor: str) -> int:
-    return _commit(
+    return commit_change(
         r, actor, "policy.delete", {"name": name}, lambda p: p.hdel(keys.policies(), name)
     )
 

@@ -17,8 +17,7 @@ from typing import Any, cast
 import redis
 
 from residency import keys
-from residency.box import audit
-from residency.messages import Event, EventType
+from residency.box import commit_change
 from residency.settings import ModelSpec
 
 
@@ -69,18 +68,8 @@ def get(r: redis.Redis, name: str) -> Entry | None:
     return Entry.loads(name, raw) if raw else None  # type: ignore[arg-type]
 
 
-def _commit(r: redis.Redis, actor: str, action: str, detail: dict[str, Any], *ops: Any) -> int:
-    pipe = r.pipeline(transaction=True)
-    for op in ops:
-        op(pipe)
-    pipe.incr(keys.generation())
-    audit(pipe, actor, action, detail)
-    pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
-    return int(pipe.execute()[len(ops)])
-
-
 def put(r: redis.Redis, entry: Entry, actor: str) -> int:
-    return _commit(
+    return commit_change(
         r,
         actor,
         "model.put",
@@ -90,7 +79,7 @@ def put(r: redis.Redis, entry: Entry, actor: str) -> int:
 
 
 def delete(r: redis.Redis, name: str, actor: str) -> int:
-    return _commit(
+    return commit_change(
         r, actor, "model.delete", {"name": name}, lambda p: p.hdel(keys.registry(), name)
     )
 
@@ -98,7 +87,7 @@ def delete(r: redis.Redis, name: str, actor: str) -> int:
 def set_pinned(r: redis.Redis, entry: Entry, pinned: bool, actor: str) -> int:
     spec = entry.spec.model_copy(update={"pinned": pinned})
     new = Entry(entry.name, spec, entry.source)
-    return _commit(
+    return commit_change(
         r,
         actor,
         "model.pin",
