@@ -65,16 +65,8 @@ class Box:
         return self.data_dir / "redis"
 
     @property
-    def redis_socket(self) -> Path:
-        return self.redis_dir / "redis.sock"
-
-    @property
     def metrics_dir(self) -> Path:
         return self.data_dir / "prometheus"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.data_dir / "logs"
 
     def file_layer(self) -> dict[str, Any]:
         return settings.read_file(self.config_path) if self.config_path else {}
@@ -155,18 +147,38 @@ class ConfigStore:
         )
 
 
+class NameTaken(ValueError):
+    """The name is already used by the other kind of entry (a model vs a policy)."""
+
+
 def commit_change(
-    r: redis.Redis, actor: str, action: str, detail: dict[str, Any], op: Callable[[Any], Any]
+    r: redis.Redis,
+    actor: str,
+    action: str,
+    detail: dict[str, Any],
+    op: Callable[[Any], Any],
+    *,
+    absent: tuple[str, str] | None = None,
 ) -> int:
     """Every admin change: apply ``op``, bump the generation, write the audit record and tell
     the coordinator — one MULTI, so a change and its event are never seen apart. Returns the
-    new generation."""
-    pipe = r.pipeline(transaction=True)
-    op(pipe)
-    pipe.incr(keys.generation())
-    audit(pipe, actor, action, detail)
-    pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
-    return int(pipe.execute()[1])
+    new generation. ``absent = (hash key, field)`` must not exist when the change commits
+    (checked under WATCH, so two writers racing for one name cannot both win)."""
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                if absent is not None:
+                    pipe.watch(absent[0])
+                    if pipe.hexists(*absent):
+                        raise NameTaken(absent[1])
+                pipe.multi()
+                op(pipe)
+                pipe.incr(keys.generation())
+                audit(pipe, actor, action, detail)
+                pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+                return int(pipe.execute()[1])
+            except redis.WatchError:
+                continue  # the watched hash changed meanwhile: check again
 
 
 def audit(pipe: Any, actor: str, action: str, detail: dict[str, Any]) -> None:

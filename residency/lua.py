@@ -52,6 +52,7 @@ class Scripts:
                 "begin_drain",
                 "try_unload",
                 "hand_back",
+                "reject_oldest",
                 "publish_health",
                 "lease",
             )
@@ -168,6 +169,16 @@ class Scripts:
             self._run(
                 "hand_back",
                 [keys.processing(model), keys.queue(model), keys.reply(request_id)],
+                [item, json.dumps(error), keys.REPLY_TTL_S],
+            )
+        )
+
+    def reject_oldest(self, model: str, request_id: str, item: str, error: dict[str, Any]) -> bool:
+        """Pop ``item`` (the oldest queued request) and answer it with ``error``, atomically."""
+        return bool(
+            self._run(
+                "reject_oldest",
+                [keys.queue(model), keys.reply(request_id)],
                 [item, json.dumps(error), keys.REPLY_TTL_S],
             )
         )

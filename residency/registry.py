@@ -75,6 +75,7 @@ def put(r: redis.Redis, entry: Entry, actor: str) -> int:
         "model.put",
         entry.public(),
         lambda p: p.hset(keys.registry(), entry.name, entry.dumps()),
+        absent=(keys.policies(), entry.name),  # a policy may not share the name
     )
 
 

@@ -30,22 +30,24 @@ def add_reply(
 
 
 def fail_queued(r: redis.Redis, model: str, error: ApiError, limit: int = 100_000) -> int:
-    """Answer every request still queued for ``model`` with ``error``. Each RPOP is atomic, so a
-    request is answered by exactly one party even if a model process starts taking them."""
+    """Answer every request still queued for ``model`` with ``error``. Each one leaves the queue
+    together with its reply (one script), so a request is answered exactly once even if a model
+    process starts taking them meanwhile, and none is lost to a crash in between."""
+    scripts = Scripts(r)
+    reply = error.to_reply()
     n = 0
     while n < limit:
-        raw = r.rpop(keys.queue(model))
+        raw = cast(str | None, r.lindex(keys.queue(model), -1))
         if raw is None:
             break
         try:
-            req = Request.loads(raw)  # type: ignore[arg-type]
+            req_id = Request.loads(raw).id
         except (ValueError, KeyError):
             log.error("dropping malformed queued request for %s", model)
+            r.lrem(keys.queue(model), 1, raw)
             continue
-        pipe = r.pipeline(transaction=False)
-        add_reply(pipe, req.id, ReplyType.ERROR, error.to_reply())
-        pipe.execute()
-        n += 1
+        if scripts.reject_oldest(model, req_id, raw, reply):
+            n += 1
     return n
 
 

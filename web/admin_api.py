@@ -15,7 +15,7 @@ from flask import Blueprint, Response, jsonify, request
 from pydantic import ValidationError
 
 from residency import errors, keys, policies, policy_store, registry
-from residency.box import ConfigStore, audit
+from residency.box import ConfigStore, NameTaken, audit
 from residency.errors import ApiError
 from residency.messages import Event, EventType
 from residency.settings import (
@@ -156,14 +156,33 @@ def put_model(name: str) -> Any:
         if not Path(resolved).is_file():
             raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
         spec = spec.model_copy(update={"path": resolved})
-    if st.r.hexists(keys.policies(), name):
-        raise errors.bad_request(f"'{name}' is the name of a policy", "name", "name_taken")
     existed = registry.get(st.r, name) is not None
     entry = registry.Entry(name, spec, "admin")
-    gen = _changed(registry.put(st.r, entry, _actor()))
-    resp = jsonify({"model": entry.public(), "generation": gen})
+    try:
+        gen = _changed(registry.put(st.r, entry, _actor()))
+    except NameTaken:
+        raise _name_taken(name, "policy") from None
+    return _stored("model", entry.public(), gen, existed)
+
+
+def _stored(kind: str, public: dict[str, Any], generation: int, existed: bool) -> Response:
+    resp = jsonify({kind: public, "generation": generation})
     resp.status_code = 200 if existed else 201
     return resp
+
+
+def _name_taken(name: str, other: str) -> ApiError:
+    return errors.bad_request(f"'{name}' is the name of a {other}", "name", "name_taken")
+
+
+def _defined_in_file(kind: str, name: str) -> ApiError:
+    return ApiError(
+        409,
+        f"{kind} '{name}' is defined in the config file; remove it there",
+        type="conflict_error",
+        param="name",
+        code="defined_in_file",
+    )
 
 
 @bp.delete("/models/<name>")
@@ -171,13 +190,7 @@ def delete_model(name: str) -> Any:
     st = state()
     entry = _entry(name)
     if entry.source == "file":
-        raise ApiError(
-            409,
-            f"model '{name}' is defined in the config file; remove it there",
-            type="conflict_error",
-            param="name",
-            code="defined_in_file",
-        )
+        raise _defined_in_file("model", name)
     gen = _changed(registry.delete(st.r, name, _actor()))
     return jsonify({"deleted": name, "generation": gen})
 
@@ -239,6 +252,13 @@ def _parse(name: str, body: Any) -> policies.Policy:
         raise _policy_problems(e, f"policy '{name}'") from None
 
 
+def _policy_entry(name: str, param: str = "name") -> policy_store.PolicyEntry:
+    entry = policy_store.get(state().r, name)
+    if entry is None:
+        raise ApiError(404, f"no policy '{name}'", param=param, code="policy_not_found")
+    return entry
+
+
 @bp.get("/policies")
 def list_policies() -> Any:
     entries = policy_store.all_entries(state().r)
@@ -247,10 +267,7 @@ def list_policies() -> Any:
 
 @bp.get("/policies/<name>")
 def get_policy(name: str) -> Any:
-    entry = policy_store.get(state().r, name)
-    if entry is None:
-        raise ApiError(404, f"no policy '{name}'", param="name", code="policy_not_found")
-    return jsonify(entry.public())
+    return jsonify(_policy_entry(name).public())
 
 
 @bp.put("/policies/<name>")
@@ -258,30 +275,21 @@ def put_policy(name: str) -> Any:
     st = state()
     body = read_json()
     _parse(name, body)
-    if st.r.hexists(keys.registry(), name):
-        raise errors.bad_request(f"'{name}' is the name of a model", "name", "name_taken")
     existed = policy_store.get(st.r, name) is not None
     entry = policy_store.PolicyEntry(name, body, "admin")
-    gen = _changed(policy_store.put(st.r, entry, _actor()))
-    resp = jsonify({"policy": entry.public(), "generation": gen})
-    resp.status_code = 200 if existed else 201
-    return resp
+    try:
+        gen = _changed(policy_store.put(st.r, entry, _actor()))
+    except NameTaken:
+        raise _name_taken(name, "model") from None
+    return _stored("policy", entry.public(), gen, existed)
 
 
 @bp.delete("/policies/<name>")
 def delete_policy(name: str) -> Any:
     st = state()
-    entry = policy_store.get(st.r, name)
-    if entry is None:
-        raise ApiError(404, f"no policy '{name}'", param="name", code="policy_not_found")
+    entry = _policy_entry(name)
     if entry.source == "file":
-        raise ApiError(
-            409,
-            f"policy '{name}' is defined in the config file; remove it there",
-            type="conflict_error",
-            param="name",
-            code="defined_in_file",
-        )
+        raise _defined_in_file("policy", name)
     gen = _changed(policy_store.delete(st.r, name, _actor()))
     return jsonify({"deleted": name, "generation": gen})
 
@@ -294,10 +302,7 @@ def validate_policy() -> Any:
     body = read_json()
     ref = body.get("policy")
     if isinstance(ref, str):
-        entry = policy_store.get(st.r, ref)
-        if entry is None:
-            raise ApiError(404, f"no policy '{ref}'", param="policy", code="policy_not_found")
-        name, policy = ref, _parse(ref, entry.spec)
+        name, policy = ref, _parse(ref, _policy_entry(ref, "policy").spec)
     elif isinstance(ref, dict):
         name, policy = "(inline)", _parse("inline", ref)
     else:

@@ -3,11 +3,14 @@ environment that pins a model process to one device."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 
 def parse_nvidia_smi(output: str) -> list[str]:
@@ -75,18 +78,21 @@ def memory_used(device_list: list[str], pressure_override: float | None = None) 
     system = psutil.virtual_memory().percent / 100.0
     out = {d: system for d in device_list}
     gpus = [d for d in device_list if d.startswith("cuda:")]
-    if gpus:
+    if not gpus:
+        return out
+    try:
+        import pynvml
+    except ImportError:
+        return out  # no NVML bindings: system memory stands in (see the docstring)
+    try:
+        pynvml.nvmlInit()
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                for d in gpus:
-                    h = pynvml.nvmlDeviceGetHandleByIndex(int(d.split(":", 1)[1]))
-                    info = pynvml.nvmlDeviceGetMemoryInfo(h)
-                    out[d] = float(info.used) / float(info.total)
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception:
-            pass
+            for d in gpus:
+                h = pynvml.nvmlDeviceGetHandleByIndex(int(d.split(":", 1)[1]))
+                info = pynvml.nvmlDeviceGetMemoryInfo(h)
+                out[d] = float(info.used) / float(info.total)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as e:
+        log.warning("GPU memory unknown (%s); auto_evict uses system memory", e)
     return out

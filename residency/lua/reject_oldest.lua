@@ -1,0 +1,11 @@
+-- Answer the oldest queued request with an error, in one step: it leaves the queue only
+-- together with its error reply, so a crash in between cannot lose it.
+-- KEYS[1] queue, KEYS[2] its reply stream
+-- ARGV[1] the request JSON seen at the queue's right end, ARGV[2] error field JSON,
+-- ARGV[3] reply TTL seconds
+-- Returns 1 when answered, 0 when the queue's oldest item is no longer that request.
+if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return 0 end
+redis.call('RPOP', KEYS[1])
+redis.call('XADD', KEYS[2], '*', 't', 'error', 'd', ARGV[2])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3]))
+return 1
