@@ -44,6 +44,7 @@ from overhead import (
     command_line,
     free_port,
     machine_facts,
+    replace_section,
     spawn,
     stop,
     wait_for,
@@ -498,12 +499,7 @@ class Report:
 
 
 def write_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN not in text or END not in text:
-        text = text.rstrip("\n") + f"\n\n## Alternation\n\n{BEGIN}\n{END}\n"
-    before, rest = text.split(BEGIN, 1)
-    after = rest.split(END, 1)[1]
-    path.write_text(f"{before}{BEGIN}\n{body}\n{END}{after}")
+    replace_section(path, body, begin=BEGIN, end=END, title="Alternation")
 
 
 # --- the run -----------------------------------------------------------------------------------

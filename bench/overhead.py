@@ -631,15 +631,21 @@ class Report:
         )
 
 
-def write_section(path: Path, body: str) -> None:
+def replace_section(path: Path, body: str, *, begin: str, end: str, title: str) -> None:
+    """Rewrite what lies between ``begin`` and ``end`` in ``path`` (a benchmarks markdown file),
+    adding a ``## title`` section with those markers at its end when it has none."""
     header = "# Benchmarks\n\nWritten by the scripts in `bench/`; rerun them to refresh.\n\n"
     text = path.read_text() if path.exists() else header
-    if BEGIN not in text or END not in text:
-        text = text.rstrip("\n") + f"\n\n## Overhead\n\n{BEGIN}\n{END}\n"
-    before, rest = text.split(BEGIN, 1)
-    after = rest.split(END, 1)[1]
+    if begin not in text or end not in text:
+        text = text.rstrip("\n") + f"\n\n## {title}\n\n{begin}\n{end}\n"
+    before, rest = text.split(begin, 1)
+    after = rest.split(end, 1)[1]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{before}{BEGIN}\n{body}\n{END}{after}")
+    path.write_text(f"{before}{begin}\n{body}\n{end}{after}")
+
+
+def write_section(path: Path, body: str) -> None:
+    replace_section(path, body, begin=BEGIN, end=END, title="Overhead")
 
 
 def run(quick: bool, tmp: Path, stack: contextlib.ExitStack) -> Report:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
 
 import redis
@@ -28,6 +29,13 @@ class Effects:
         self.scripts = scripts
         self.lease_token = lease_token
         self._last_waits: dict[str, str] = {}
+        # Generation of the limits the current pass enforces: sent with every load it starts,
+        # so the load's commit can tell whether the limits changed while it loaded.
+        self.limits_generation = 0
+        # The last evictions started, as (pass number, model, reason): what a pass did, for
+        # logs and tests (bounded).
+        self.evictions: deque[tuple[int, str, str]] = deque(maxlen=100)
+        self.pass_number = 0
 
     def apply(
         self,
@@ -96,6 +104,7 @@ class Effects:
             "device": a.device,
             "spec": entry.spec.model_dump(),
             "fault_injection": s.debug.fault_injection,
+            "limits_generation": self.limits_generation,
         }
         ok, prev = self.scripts.start_load(
             a.model,
@@ -132,6 +141,7 @@ class Effects:
         if loaded_at is not None:
             metrics.observe(pipe, metrics.AGE_AT_EVICTION, {"model": a.model}, now - loaded_at)
         pipe.execute()
+        self.evictions.append((self.pass_number, a.model, a.reason))
         log.info("evicting %s (%s)", a.model, a.reason)
         return 1
 

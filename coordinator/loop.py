@@ -15,13 +15,13 @@ from typing import cast
 
 import redis
 
-from coordinator import snapshot
+from coordinator import retry, snapshot
 from coordinator.autosize import CONFIG_VERSION, Autosize
-from coordinator.decide import Action, decide, waits_for_idle
+from coordinator.decide import Action, Blocked, decide, waits_for_idle
 from coordinator.effects import Effects, clear_stale_explicit, load_failed
-from residency import keys, policy_store, registry, work
+from residency import keys, metrics, policy_store, registry, work
 from residency.box import Box, ConfigStore
-from residency.loops import run_until_stopped
+from residency.loops import Waker, run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
 from residency.settings import Settings, SettingsError
@@ -31,6 +31,11 @@ log = logging.getLogger("residency.coordinator")
 EVENT_WAIT_S = 0.5
 PUBLISH_EVERY_S = 2.0
 MAX_EVENTS_PER_PASS = 1000
+# A pass woken by admin changes alone waits for a short quiet spell first, so a burst of changes
+# sent back to back (a script, a config tool) costs one pass instead of one per change: each
+# further change extends the wait by COALESCE_QUIET_S, never past COALESCE_MAX_S in all.
+COALESCE_QUIET_S = 0.1
+COALESCE_MAX_S = 0.5
 
 
 class Coordinator:
@@ -47,6 +52,7 @@ class Coordinator:
         self.stop = stop or threading.Event()
         self.clock = clock
         self.scripts = Scripts(r)
+        self.rq = retry.connection(r)
         self.config = ConfigStore(box, r)
         self.lease_token = uuid.uuid4().hex
         self.effects = Effects(r, self.scripts, self.lease_token)
@@ -59,6 +65,8 @@ class Coordinator:
         self._unresolved: tuple[tuple[str, str], ...] = ()
         self._last_record: str | None = None
         self._last_publish = 0.0
+        self._deferred = True  # until a pass says otherwise (a job may survive a restart)
+        self.waker: Waker | None = None
 
     # -- leadership -------------------------------------------------------------------------
 
@@ -134,11 +142,19 @@ class Coordinator:
 
     def run(self) -> None:
         log.info("coordinator started")
+        # The retry queue's worker lives and dies with this loop (same stop event).
+        retries = threading.Thread(
+            target=retry.run_worker, args=(self.rq, self.stop), name="retry-worker", daemon=True
+        )
+        retries.start()
+        self.waker = Waker(self.r, self.stop)
         try:
             run_until_stopped(self.stop, self.iteration, log, "coordinator pass")
         finally:
             with contextlib.suppress(redis.RedisError):
                 self.resign()
+            retries.join(timeout=10)
+            self.waker.close()
             log.info("coordinator stopped")
 
     def iteration(self) -> None:
@@ -151,12 +167,31 @@ class Coordinator:
             self.step(events)
 
     def collect_events(self, wait_s: float) -> list[Event]:
-        """Block for the first event (bounded), then take every event already queued: a burst of
-        changes costs one pass."""
-        first = self.r.blpop([keys.events()], timeout=wait_s)
-        if first is None:
-            return []
-        raws = [str(first[1])]
+        """Block for the first event (bounded), then take every event already queued, and while
+        the pass would only handle admin changes, those that follow within a quiet spell
+        (``coalesce_wait``): a burst of changes costs one pass."""
+        try:
+            # A stop unblocks these reads at once (see Waker).
+            blocking = self.waker.ready() if self.waker else self.r
+            first = blocking.blpop([keys.events()], timeout=wait_s)
+            if first is None:
+                return []
+            events = self._take(str(first[1]))
+            started = time.monotonic()
+            while (wait := coalesce_wait(events, time.monotonic() - started)) > 0:
+                nxt = blocking.blpop([keys.events()], timeout=wait)
+                if nxt is None or self.stop.is_set():
+                    break
+                events += self._take(str(nxt[1]))
+        except redis.RedisError:
+            if self.waker:
+                self.waker.lost()
+            raise
+        return events
+
+    def _take(self, first: str) -> list[Event]:
+        """``first`` and every event queued behind it, parsed (a malformed one is dropped)."""
+        raws = [first]
         more = cast(list[str] | None, self.r.lpop(keys.events(), MAX_EVENTS_PER_PASS))
         if more:
             raws += more
@@ -177,39 +212,116 @@ class Coordinator:
         return self.settings
 
     def step(self, events: list[Event] | None = None) -> list[Action]:
-        """One pass. Re-plans until nothing changes, so a decision that frees a slot and the
-        load it enables happen in one call (bounded)."""
+        """One enforcement pass, stamped with a fresh generation. Every trigger queued before it
+        started (config, policy, load commit, busy -> idle, retry) is handled by this one pass;
+        one that arrives while it runs is still in the inbox, so the loop runs again at once —
+        a burst of changes costs a few passes, and the last pass sees the last change. Re-plans
+        until nothing changes (bounded), so a pool shrinks all the way in one pass and a freed
+        slot's load starts in the same pass."""
+        gen = int(self.r.incr(keys.generation()))
         self.passes += 1
+        self.effects.pass_number = self.passes
+        events = events or []
+        trigger = _trigger(events)
+        metrics.inc(self.r, metrics.PASSES_TOTAL, {"trigger": trigger})
         s = self.refresh_settings()
-        for ev in events or []:
+        for ev in events:
             if ev.type is EventType.LOAD_FAILED:
                 reason = str(ev.data.get("error", "unknown error"))
                 n = work.fail_queued(self.r, ev.model, load_failed(ev.model, reason))
                 log.error(
                     "load of %s failed (%s); answered %d queued request(s)", ev.model, reason, n
                 )
+            elif ev.type is EventType.READY and ev.data.get("recheck"):
+                log.info("%s loaded after the limits changed: re-checking the pool", ev.model)
         actions: list[Action] = []
-        for _ in range(4):
+        for i in range(4):
             rd = snapshot.read(self.r, s, self.clock())
+            if i == 0 and not self.sync_limits(gen, rd):
+                return []  # not the leader any more: a deposed pass applies nothing
             clear_stale_explicit(self.r, rd.snap)
             actions = decide(rd.snap)
             if not self.effects.apply(actions, rd.snap, rd.model_hashes, s):
                 break
         self.effects.watch_idle(waits_for_idle(actions, rd.snap))
+        blocked = {a.type: a.over for a in actions if isinstance(a, Blocked)}
+        self.track_deferral(blocked)
         self.tell_autosize(rd.autosize)
-        self.publish(snapshot.health_record(rd, s))
+        enforcement = {
+            "pass": self.passes,
+            "trigger": trigger,
+            "blocked": blocked,
+            "deferred": bool(blocked),
+        }
+        self.publish(gen, snapshot.health_record(rd, s, enforcement), force=bool(events))
         return actions
 
-    def publish(self, record: dict[str, object]) -> None:
-        body = json.dumps({k: v for k, v in record.items() if k != "published_at"}, sort_keys=True)
+    def sync_limits(self, gen: int, rd: snapshot.Read) -> bool:
+        """Record the limits this pass enforces (stamped with ``gen`` when they changed); loads
+        started by this pass carry that generation, and their commit re-checks it."""
+        res = self.scripts.publish_limits(gen, rd.snap.limits, lease=self.lease_token)
+        if res == "not_leader":
+            log.error("lost the leader lease during a pass; standing by")
+            self.is_leader = False
+            return False
+        if res != "stale":
+            self.effects.limits_generation = int(res)
+        return True
+
+    def track_deferral(self, blocked: dict[str, int]) -> None:
+        """Rule 4: a shrink that only busy (or pinned) residents block is retried with backoff
+        on the rq retry queue, besides being re-armed by their busy -> idle edge; the job goes
+        as soon as a pass finds every pool within its limit."""
+        try:
+            if blocked:
+                retry.defer(self.rq, blocked)
+            elif self._deferred and retry.settle(self.rq):
+                log.info("deferred shrink done: every pool is within its limit")
+        except redis.RedisError:
+            raise
+        except Exception:
+            log.exception("retry queue")
+        self._deferred = bool(blocked)
+
+    def publish(self, gen: int, record: dict[str, object], *, force: bool = False) -> None:
+        """Publish the pass's record under its generation. A pass with no trigger and nothing
+        new publishes at most every PUBLISH_EVERY_S (a heartbeat of the record)."""
+        body = json.dumps(
+            {k: v for k, v in record.items() if k not in ("published_at", "enforcement")},
+            sort_keys=True,
+        )
         now = self.clock()
-        if body == self._last_record and now - self._last_publish < PUBLISH_EVERY_S:
+        if not force and body == self._last_record and now - self._last_publish < PUBLISH_EVERY_S:
             return
-        gen = int(self.r.incr(keys.generation()))
         record["generation"] = gen
-        if self.scripts.publish_health(gen, record):
+        res = self.scripts.publish_health(gen, record, lease=self.lease_token)
+        if res == "ok":
             self._last_record = body
             self._last_publish = now
+        else:
+            log.info("record of pass %d not published: %s", gen, res)
+
+
+def coalesce_wait(events: list[Event], waited: float) -> float:
+    """How much longer to collect events before a pass: only a pass that admin changes alone
+    would run waits (demand, load commits, busy -> idle edges and retries run at once)."""
+    if not events or any(e.type is not EventType.CONFIG for e in events):
+        return 0.0
+    return max(0.0, min(COALESCE_QUIET_S, COALESCE_MAX_S - waited))
+
+
+def _trigger(events: list[Event]) -> str:
+    """What woke a pass, for the passes metric: the most specific trigger among its events."""
+    kinds = {e.type for e in events}
+    for kind, label in (
+        (EventType.CONFIG, "config"),
+        (EventType.RETRY, "retry"),
+        (EventType.IDLE, "idle"),
+        (EventType.READY, "load_commit"),
+    ):
+        if kind in kinds:
+            return label
+    return "event" if events else "timer"
 
 
 def main(box: Box, stop: threading.Event) -> None:

@@ -28,13 +28,25 @@ class Read:
     model_hashes: dict[str, dict[str, str]]  # pid, load_seconds… for the health record
     worker_hashes: dict[str, dict[str, str]]
     autosize: Autosize  # the floor and per-policy counts, from the same read as the pool
+    helpers: tuple[str, ...] = ()  # the routing-helper set, from that same read
+    limits_record: dict[str, str] | None = None  # the limits last published (keys.limits())
 
 
 def read(r: redis.Redis, s: Settings, now: float) -> Read:
-    """The pool as one Snapshot: the registry, the policies and the pool state are read in two
-    pipelined round trips, so the floor, the helper set and the residents agree."""
-    entries = registry.all_entries(r)
-    pols = policy_store.parsed(policy_store.all_entries(r))
+    """The pool as one Snapshot. The registry, the policies and the published limits come from
+    one MULTI (so the floor, the per-policy breakdown and the helper set are computed from one
+    consistent view of the registry), the pool state from one more pipelined round trip."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hgetall(keys.registry())
+    pipe.hgetall(keys.policies())
+    pipe.hgetall(keys.explicit())
+    pipe.smembers(keys.workers())
+    pipe.hgetall(keys.limits())
+    raw_registry, raw_policies, explicit, members, limits_record = pipe.execute()
+    entries = {n: registry.Entry.loads(n, v) for n, v in raw_registry.items()}
+    pols = policy_store.parsed(
+        {n: policy_store.PolicyEntry.loads(n, v) for n, v in raw_policies.items()}
+    )
     infos = policy_store.model_infos(entries)
     floor = candidate_floor(pols, infos)
     helpers = helper_models(pols)
@@ -46,8 +58,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         str(k).removeprefix(keys.model(""))
         for k in r.scan_iter(match=keys.model_pattern(), count=1000)
     )
-    explicit = cast(dict[str, str], r.hgetall(keys.explicit()))
-    hosts = sorted(cast(set[str], r.smembers(keys.workers())))
+    explicit = cast(dict[str, str], explicit)
+    hosts = sorted(cast(set[str], members))
     ordered = sorted(names)
 
     pipe = r.pipeline(transaction=False)
@@ -107,10 +119,12 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         auto_evict=s.pool.auto_evict,
         auto_evict_threshold=s.pool.auto_evict_threshold,
     )
-    return Read(snap, raw, worker_hashes, auto)
+    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)), limits_record)
 
 
-def health_record(rd: Read, s: Settings) -> dict[str, Any]:
+def health_record(
+    rd: Read, s: Settings, enforcement: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The /health document (without ``generation``, which publishing stamps)."""
     snap, raw, worker_hashes = rd.snap, rd.model_hashes, rd.worker_hashes
     models = []
@@ -156,8 +170,10 @@ def health_record(rd: Read, s: Settings) -> dict[str, Any]:
             t: {"configured": s.pool.max_loaded_models, "effective": snap.limits[t]} for t in TYPES
         },
         "llm_pool_autosize": rd.autosize.health(),
+        "routing_helpers": list(rd.helpers),
         "auto_evict": {"enabled": s.pool.auto_evict, "threshold": s.pool.auto_evict_threshold},
         "models": models,
         "workers": workers,
+        "enforcement": enforcement or {},
         "published_at": snap.now,
     }

@@ -134,6 +134,10 @@ def render_status(h: dict[str, Any]) -> str:
         f"{t}: {v['effective']} (configured {v['configured']})" for t, v in h["max_models"].items()
     )
     lines.append(f"\nlimits  {limits}   generation {h.get('generation')}   (* = pinned)")
+    for typ, over in sorted(((h.get("enforcement") or {}).get("blocked") or {}).items()):
+        lines.append(
+            f"shrink  {typ} pool {over} over its limit: deferred until a busy model goes idle"
+        )
     for w in h.get("workers", []):
         state = "alive" if w["alive"] else "GONE"
         lines.append(f"worker  {w['host']} {','.join(w['devices'])} {state}")

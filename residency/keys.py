@@ -12,8 +12,10 @@ PREFIX = "rsd:"
 
 
 def generation() -> str:
-    """string counter (INCR), no TTL. Bumped by every config, registry or pin change (web admin
-    API) and by the coordinator for every published health record."""
+    """string counter (INCR), no TTL. Bumped by every config, registry, policy or pin change (web
+    admin API) and by the coordinator at the start of every enforcement pass, which stamps the
+    pass and the record it publishes: a record whose generation is above a change's was computed
+    after that change."""
     return f"{PREFIX}gen"
 
 
@@ -147,8 +149,24 @@ def leader_epoch() -> str:
 
 def health() -> str:
     """hash ``generation``, ``record`` (JSON): the one published health record, no TTL. Written
-    only by the coordinator leader, through a script that refuses an older generation."""
+    only by the coordinator leader, through a script that refuses an older generation and a
+    caller that no longer holds the lease."""
     return f"{PREFIX}health"
+
+
+def limits() -> str:
+    """hash ``llm``, ``embedding`` (effective limits) and ``generation`` (the pass generation
+    that last changed them), no TTL. Written by the coordinator leader together with the health
+    record; a model process reads it when it commits a load, so a load decided under older
+    limits triggers a full enforcement pass."""
+    return f"{PREFIX}limits"
+
+
+#: rq queue name (rq keeps its own keys under ``rq:``) of the coordinator's retry jobs: a shrink
+#: that only busy or pinned residents block is retried there with backoff.
+RETRY_QUEUE = "rsd-retry"
+#: rq job id of the one deferred-shrink job (a fixed id: deferring twice never queues two).
+SHRINK_JOB_ID = "rsd-deferred-shrink"
 
 
 def metric_counters() -> str:

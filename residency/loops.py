@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -27,3 +28,45 @@ def run_until_stopped(
         except Exception:
             log.exception("%s iteration failed", what)
             stop.wait(BUG_RETRY_S)
+
+
+class Waker:
+    """Blocking reads (BLPOP, BLMOVE) on a connection of their own, which a stop unblocks at
+    once (CLIENT UNBLOCK from another connection): a shutdown never waits out a read's timeout.
+
+    ``r`` is the role's client; ``stop`` its stop event. ``blocking`` is the client to block on.
+    The wake-up thread lives until ``stop`` is set (or ``close``)."""
+
+    def __init__(self, r: redis.Redis, stop: threading.Event) -> None:
+        self.r = r
+        self.stop = stop
+        kwargs = dict(r.connection_pool.connection_kwargs)
+        pool = redis.ConnectionPool(r.connection_pool.connection_class, **kwargs)
+        self.blocking = redis.Redis(connection_pool=pool, single_connection_client=True)
+        self._id: int | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._wake_on_stop, name="waker", daemon=True)
+        self._thread.start()
+
+    def ready(self) -> redis.Redis:
+        """The blocking client, with its connection id known (after a reconnect, re-read)."""
+        if self._id is None:
+            self._id = int(self.blocking.client_id())
+        return self.blocking
+
+    def lost(self) -> None:
+        """The blocking connection failed: its id will change when it reconnects."""
+        self._id = None
+
+    def _wake_on_stop(self) -> None:
+        while not self._closed.is_set():
+            if self.stop.wait(0.5):
+                break
+        if self._id is not None and not self._closed.is_set():
+            # On an error the read simply times out by itself a moment later.
+            with contextlib.suppress(redis.RedisError):
+                self.r.client_unblock(self._id)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.blocking.close()

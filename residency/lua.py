@@ -17,7 +17,7 @@ import redis
 from residency import keys
 from residency.states import ModelState, sources_for
 
-_WITH_PRELUDE = {"transition", "start_load", "begin_drain", "try_unload"}
+_WITH_PRELUDE = {"transition", "start_load", "commit_load", "begin_drain", "try_unload"}
 
 
 @cache
@@ -47,6 +47,7 @@ class Scripts:
             for name in (
                 "transition",
                 "start_load",
+                "commit_load",
                 "submit",
                 "finish",
                 "begin_drain",
@@ -54,6 +55,7 @@ class Scripts:
                 "hand_back",
                 "reject_oldest",
                 "publish_health",
+                "publish_limits",
                 "lease",
             )
         }
@@ -96,6 +98,31 @@ class Scripts:
         )
         return bool(ok), _s(state)
 
+    def commit_load(
+        self,
+        model: str,
+        *,
+        token: str,
+        limits_generation: int,
+        ready_event: dict[str, Any],
+        fields: dict[str, Any],
+    ) -> tuple[bool, str]:
+        """loading -> ready for ``token``, re-checked against the limits in force now: (True,
+        'ok'), (True, 'recheck') when the limits changed since the load was decided (a full
+        enforcement pass is asked for), or (False, the state that refused the commit)."""
+        recheck = {**ready_event, "data": {**ready_event.get("data", {}), "recheck": True}}
+        args: list[Any] = [
+            _csv(ModelState.READY),
+            token,
+            limits_generation,
+            json.dumps(ready_event),
+            json.dumps(recheck),
+        ]
+        for k, v in fields.items():
+            args += [k, "" if v is None else v]
+        ok, res = self._run("commit_load", [keys.model(model), keys.limits(), keys.events()], args)
+        return bool(ok), _s(res)
+
     def submit(
         self, model: str, item: str, *, bound: int, demand_event: dict[str, Any]
     ) -> tuple[bool, int]:
@@ -106,9 +133,21 @@ class Scripts:
         )
         return bool(ok), int(depth)
 
-    def finish(self, model: str, item: str, *, now: float, idle_event: dict[str, Any]) -> bool:
-        """Returns True when this finish sent the idle event (the model went idle while the
+    def finish(
+        self,
+        model: str,
+        item: str,
+        *,
+        now: float,
+        idle_event: dict[str, Any],
+        request_id: str = "",
+        last: tuple[str, dict[str, Any]] | None = None,
+    ) -> bool:
+        """Take a finished request off the processing list, writing its last reply message
+        (``last``: reply type and data; none for a cancelled request) in the same step.
+        Returns True when this finish sent the idle event (the model went idle while the
         coordinator was waiting for that)."""
+        kind, data = last if last is not None else ("", {})
         went_idle = self._run(
             "finish",
             [
@@ -117,8 +156,16 @@ class Scripts:
                 keys.model(model),
                 keys.events(),
                 keys.idle_watch(),
+                keys.reply(request_id),
             ],
-            [item, now, json.dumps(idle_event)],
+            [
+                item,
+                now,
+                json.dumps(idle_event),
+                kind,
+                json.dumps(data, separators=(",", ":")),
+                keys.REPLY_TTL_S,
+            ],
         )
         return bool(went_idle)
 
@@ -183,8 +230,27 @@ class Scripts:
             )
         )
 
-    def publish_health(self, generation: int, record: dict[str, Any]) -> bool:
-        return bool(self._run("publish_health", [keys.health()], [generation, json.dumps(record)]))
+    def publish_health(self, generation: int, record: dict[str, Any], *, lease: str) -> str:
+        """Publish one pass's record: 'ok', 'stale' (a newer pass published) or 'not_leader'
+        (``lease`` is no longer ours)."""
+        return _s(
+            self._run(
+                "publish_health",
+                [keys.health(), keys.leader()],
+                [generation, json.dumps(record), lease],
+            )
+        )
+
+    def publish_limits(self, generation: int, limits: dict[str, int], *, lease: str) -> str:
+        """Record the effective limits of the pass ``generation`` if they changed; returns the
+        generation of the limits in force, or 'not_leader' / 'stale'."""
+        return _s(
+            self._run(
+                "publish_limits",
+                [keys.limits(), keys.leader()],
+                [generation, lease, limits.get("llm", 1), limits.get("embedding", 1)],
+            )
+        )
 
     def lease(self, token: str, op: str, ttl_ms: int = keys.LEADER_TTL_MS) -> bool:
         """Renew (``op='renew'``) or release the leader lease if ``token`` still holds it."""

@@ -64,6 +64,7 @@ class EventType(enum.StrEnum):
     GONE = "gone"  # a model process died
     CONFIG = "config"  # settings, registry or pins changed
     WORKER = "worker"  # a worker agent registered
+    RETRY = "retry"  # the deferred-shrink retry job asks for another pass
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ TTFT = "residency_time_to_first_token_seconds"
 MAX_LOADED = "residency_max_loaded_models"
 LOADED = "residency_loaded_models"
 QUEUE_DEPTH = "residency_queue_depth"
+PASSES_TOTAL = "residency_enforcement_passes_total"
+RECHECKS_TOTAL = "residency_load_commit_rechecks_total"
+DEFERRED = "residency_deferred_shrink"
 
 LOAD_BUCKETS: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 AGE_BUCKETS: Sequence[float] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400, 86400)
@@ -86,6 +89,8 @@ class RedisCollector(Collector):
             EVICTIONS_TOTAL: (["reason"], []),
             CANCELLED_TOTAL: (["model"], []),
             CANCELLED_CHUNKS_TOTAL: (["model"], []),
+            PASSES_TOTAL: (["trigger"], []),
+            RECHECKS_TOTAL: (["model"], []),
         }
         for field, value in data.items():
             metric, _, lab = field.partition("|")
@@ -99,6 +104,10 @@ class RedisCollector(Collector):
             EVICTIONS_TOTAL: "Evictions by reason (lru, limit, deleted, admin)",
             CANCELLED_TOTAL: "Streamed generations stopped because the client went away",
             CANCELLED_CHUNKS_TOTAL: "Chunks streamed by generations before they were cancelled",
+            PASSES_TOTAL: "Coordinator enforcement passes by what woke them (config, idle, "
+            "load_commit, retry, event, timer)",
+            RECHECKS_TOTAL: "Loads that committed after the limits changed (a full pass re-checked "
+            "the pool)",
         }
         for metric, (names, samples) in families.items():
             fam = CounterMetricFamily(metric.removesuffix("_total"), docs[metric], labels=names)
@@ -154,3 +163,12 @@ class RedisCollector(Collector):
             loaded.add_metric([typ, pool], n)
         yield loaded
         yield depth
+        deferred = GaugeMetricFamily(
+            DEFERRED,
+            "Models a pool is above its limit by, waiting for busy residents to go idle",
+            labels=["type"],
+        )
+        blocked = (h.get("enforcement") or {}).get("blocked") or {}
+        for typ in h.get("max_models", {}):
+            deferred.add_metric([typ], blocked.get(typ, 0))
+        yield deferred

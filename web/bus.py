@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -27,6 +28,13 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000
 READ_COUNT = 100
+
+#: Set when this web worker is told to stop (see web/server.py): a request still waiting for
+#: its first reply message is withdrawn from its queue and answered 503 with Retry-After, so
+#: the client retries elsewhere or later instead of seeing its connection cut at the end of
+#: the graceful timeout (and its request is not left queued for a model nobody waits for).
+#: Replies already streaming run to their end.
+SHUTTING_DOWN = threading.Event()
 
 TTFT = Histogram(
     metrics.TTFT,
@@ -45,6 +53,16 @@ def timeout_error(model: str, waited: float) -> ApiError:
         f"no reply from '{model}' within {waited:g}s; retry later",
         type="server_error",
         code="timeout",
+        retry_after=5,
+    )
+
+
+def shutting_down_error(model: str) -> ApiError:
+    return ApiError(
+        503,
+        f"the server is shutting down; the request for '{model}' was withdrawn, retry",
+        type="server_error",
+        code="shutting_down",
         retry_after=5,
     )
 
@@ -83,6 +101,9 @@ class Call:
             if left <= 0:
                 self.abandon()
                 raise timeout_error(self.model, self.timeout_s)
+            if SHUTTING_DOWN.is_set() and self._last_id == "0-0":
+                self.abandon()
+                raise shutting_down_error(self.model)
             try:
                 resp: Any = self.r.xread(
                     {key: self._last_id}, count=READ_COUNT, block=max(1, int(min(left, 1) * 1000))

@@ -25,6 +25,26 @@ def _child_exit(_server: Any, worker: Any) -> None:
         multiprocess.mark_process_dead(worker.pid)
 
 
+def _post_worker_init(worker: Any) -> None:
+    """Runs in each worker once its signal handlers are installed: on SIGTERM, tell the
+    request threads first (web.bus.SHUTTING_DOWN), so requests still waiting for a model are
+    answered at once rather than cut at the end of the graceful timeout."""
+    import signal
+
+    from web import bus
+
+    graceful = worker.handle_exit
+
+    def on_term(signum: int, frame: Any) -> None:
+        bus.SHUTTING_DOWN.set()
+        graceful(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    # signal.signal makes the signal interrupt system calls again; gunicorn had turned that off
+    # so a SIGTERM does not disturb active requests.
+    signal.siginterrupt(signal.SIGTERM, False)
+
+
 class WebServer(BaseApplication):
     def __init__(self, box: Box, options: dict[str, Any]) -> None:
         self.box = box
@@ -57,6 +77,7 @@ def options(
         "graceful_timeout": GRACEFUL_TIMEOUT_S,
         "accesslog": "-" if access_log else None,
         "child_exit": _child_exit,
+        "post_worker_init": _post_worker_init,
         "proc_name": "residency-web",
         # Streams hold a thread for as long as they run; the gthread heartbeat does not depend
         # on request length, so the worker timeout stays gunicorn's default.

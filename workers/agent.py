@@ -24,7 +24,7 @@ import redis
 
 from residency import keys, procs, work
 from residency.box import Box
-from residency.loops import run_until_stopped
+from residency.loops import Waker, run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
 from residency.states import OCCUPYING, ModelState
@@ -64,6 +64,7 @@ class Agent:
         self.host = host or box.environ.get("RESIDENCY_HOST") or socket.gethostname()
         self.devices = device_list or devices.discover(dict(box.environ))
         self.stop = stop or threading.Event()
+        self.waker: Waker | None = None  # set by run(): a stop unblocks the command read
         self.children: dict[str, Child] = {}
         # One warm process per device, already started and with llama.cpp imported, takes the
         # next load on that device: a load then costs the model's own load time only.
@@ -114,15 +115,23 @@ class Agent:
         self.r.rpush(
             keys.events(), json.dumps(Event(EventType.WORKER, "", {"host": self.host}).to_dict())
         )
+        self.waker = Waker(self.r, self.stop)
         try:
             run_until_stopped(self.stop, self.iteration, log, "agent loop")
         finally:
             self.shutdown()
+            self.waker.close()
 
     def iteration(self) -> None:
         if time.time() - self._last_beat >= HEARTBEAT_S:
             self.heartbeat()
-        item = self.r.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
+        try:
+            blocking = self.waker.ready() if self.waker else self.r
+            item = blocking.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
+        except redis.RedisError:
+            if self.waker:
+                self.waker.lost()
+            raise
         if item is not None:
             self.handle(str(item[1]))
         self.watch_children()

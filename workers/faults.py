@@ -8,6 +8,7 @@ deterministic instead of racing a fast model)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -33,10 +34,18 @@ class FaultyRuntime:
         self.stop = stop
 
     def load(self, spec: ModelSpec, device: str) -> None:
-        delay = float(cast(str, self.r.hget(keys.faults(), f"load_delay_s:{self.model}")) or 0)
-        if delay > 0:
-            # Wakes at once on shutdown: a slow load never holds up teardown.
-            self.stop.wait(delay)
+        # The delay is re-read while waiting, so a drill can end a slow load early by lowering
+        # it; the wait wakes at once on shutdown (a slow load never holds up teardown).
+        started = time.monotonic()
+        while not self.stop.is_set():
+            key = f"load_delay_s:{self.model}"
+            delay = float(cast(str, self.r.hget(keys.faults(), key)) or 0)
+            left = delay - (time.monotonic() - started)
+            if left <= 0:
+                break
+            self.stop.wait(min(left, POLL_S))
+        if self.stop.is_set():
+            raise InjectedLoadFailure(f"load of {self.model} stopped by shutdown")
         # HDEL is atomic: exactly one load consumes a one-shot failure.
         if self.r.hget(keys.faults(), "fail_next_load") == self.model and self.r.hdel(
             keys.faults(), "fail_next_load"

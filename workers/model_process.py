@@ -22,6 +22,7 @@ import redis
 from residency import keys, metrics
 from residency.box import connect
 from residency.errors import ApiError
+from residency.loops import Waker
 from residency.lua import Scripts
 from residency.messages import Event, EventType, Kind, ReplyType, Request
 from residency.settings import ModelSpec
@@ -48,6 +49,7 @@ class ModelProcess:
         spec: ModelSpec,
         runtime: Runtime,
         stop: threading.Event,
+        limits_generation: int = 0,
     ) -> None:
         self.r = r
         self.scripts = Scripts(r)
@@ -57,6 +59,9 @@ class ModelProcess:
         self.spec = spec
         self.runtime = runtime
         self.stop = stop
+        # The generation of the limits the coordinator decided this load under (re-checked at
+        # commit).
+        self.limits_generation = limits_generation
         self._idle_event = Event(EventType.IDLE, model).to_dict()
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
@@ -69,6 +74,9 @@ class ModelProcess:
         try:
             self.runtime.load(self.spec, self.device)
         except Exception as e:
+            if self.stop.is_set():
+                log.info("%s: load stopped by shutdown", self.model)
+                return False
             msg = f"{type(e).__name__}: {e}"
             log.error("load of %s failed: %s", self.model, msg)
             self.scripts.transition(
@@ -80,11 +88,16 @@ class ModelProcess:
             pipe.execute()
             return False
         seconds = time.monotonic() - t0
+        if self.stop.is_set():
+            # Stopped while loading: commit nothing; the agent hands the waiting work back.
+            log.info("%s: stopped during its load; not committing it", self.model)
+            return False
         now = time.time()
-        ok, state = self.scripts.transition(
+        ok, res = self.scripts.commit_load(
             self.model,
-            ModelState.READY,
             token=self.token,
+            limits_generation=self.limits_generation,
+            ready_event=self._event(EventType.READY),
             fields={
                 "pid": os.getpid(),
                 "loaded_at": now,
@@ -94,12 +107,15 @@ class ModelProcess:
             },
         )
         if not ok:
-            log.warning("load of %s finished but the state is %s now; exiting", self.model, state)
+            log.warning("load of %s finished but the state is %s now; exiting", self.model, res)
             return False
+        if res == "recheck":
+            log.info("%s: the limits changed while it loaded; asked for a full pass", self.model)
         pipe = self.r.pipeline(transaction=False)
         metrics.inc(pipe, metrics.LOADS_TOTAL, {"model": self.model, "outcome": "ok"})
         metrics.observe(pipe, metrics.LOAD_SECONDS, {"model": self.model}, seconds)
-        pipe.rpush(keys.events(), json.dumps(self._event(EventType.READY)))
+        if res == "recheck":
+            metrics.inc(pipe, metrics.RECHECKS_TOTAL, {"model": self.model})
         pipe.execute()
         log.info("%s ready on %s in %.3fs", self.model, self.device, seconds)
         return True
@@ -108,8 +124,20 @@ class ModelProcess:
 
     def serve(self) -> None:
         next_check = time.monotonic() + OWNERSHIP_CHECK_S
+        waker = Waker(self.r, self.stop)  # a stop unblocks the queue read at once
+        try:
+            self._serve(waker, next_check)
+        finally:
+            waker.close()
+
+    def _serve(self, waker: Waker, next_check: float) -> None:
         while not self.stop.is_set():
-            raw = self.r.blmove(
+            try:
+                blocking = waker.ready()
+            except redis.RedisError:
+                waker.lost()
+                raise
+            raw = blocking.blmove(
                 keys.queue(self.model),
                 keys.processing(self.model),
                 TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
@@ -158,40 +186,46 @@ class ModelProcess:
             log.error("%s: dropping malformed request", self.model)
             self.r.lrem(keys.processing(self.model), 1, raw)
             return
+        last: tuple[str, dict[str, Any]] | None = None
         try:
             if not self.r.exists(keys.cancel(req.id)):
-                self.generate(req)
+                last = self.generate(req)
         except ApiError as e:
-            self._reply(req.id, ReplyType.ERROR, e.to_reply())
+            last = (ReplyType.ERROR, e.to_reply())
         except Exception as e:
             log.exception("%s: request %s failed", self.model, req.id)
             err = ApiError(500, f"generation failed: {e}", type="server_error", code="internal")
-            self._reply(req.id, ReplyType.ERROR, err.to_reply())
+            last = (ReplyType.ERROR, err.to_reply())
         finally:
-            self.scripts.finish(self.model, raw, now=time.time(), idle_event=self._idle_event)
+            # The last reply message goes out with the removal from the processing list, in
+            # one script (see finish.lua for the race that prevents).
+            self.scripts.finish(
+                self.model,
+                raw,
+                now=time.time(),
+                idle_event=self._idle_event,
+                request_id=req.id,
+                last=last,
+            )
 
-    def _reply(self, req_id: str, kind: ReplyType, data: dict[str, Any]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        add_reply(pipe, req_id, kind, data)
-        pipe.execute()
-
-    def generate(self, req: Request) -> None:
+    def generate(self, req: Request) -> tuple[str, dict[str, Any]] | None:
+        """Run the request; returns its last reply message (None when its client cancelled)."""
         if req.kind is Kind.EMBEDDING:
             out = self.runtime.embed(list(req.params["input"]))
             out["model"] = self.model
-            self._reply(req.id, ReplyType.DONE, out)
-            return
+            return ReplyType.DONE, out
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
         result = call(req.params, req.stream)
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
-            self._reply(req.id, ReplyType.DONE, result)
-            return
+            return ReplyType.DONE, result
         assert not isinstance(result, dict)
-        self.stream(req, result)
+        return self.stream(req, result)
 
-    def stream(self, req: Request, chunks: Iterable[dict[str, Any]]) -> None:
+    def stream(
+        self, req: Request, chunks: Iterable[dict[str, Any]]
+    ) -> tuple[str, dict[str, Any]] | None:
         """Forward chunks in small batches: everything up to and including the first chunk with
         text at once (llama.cpp sends a role-only chunk first; batching the first token behind
         it cost a whole batch interval of time to first token), then at most every
@@ -224,12 +258,12 @@ class ModelProcess:
                     last_flush = now
                     if self._flush(req.id, batch, set_ttl=sent == 0):
                         self._cancelled(req.id, sent)
-                        return
+                        return None
                     sent += len(batch)
                     batch = []
             if batch:
                 self._flush(req.id, batch)
-            self._reply(req.id, ReplyType.DONE, {})
+            return ReplyType.DONE, {}
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -265,13 +299,18 @@ def build_runtime(
 
 
 def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | None:
-    """A standby process waits here (bounded waits, so a stop is seen) for its one command."""
-    while not stop.is_set():
-        item = r.blpop([key], timeout=1)
-        if item is not None:
-            r.delete(key)
-            return str(item[1])
-    return None
+    """A standby process waits here (bounded waits, woken at once by a stop) for its one
+    command."""
+    waker = Waker(r, stop)
+    try:
+        while not stop.is_set():
+            item = waker.ready().blpop([key], timeout=1)
+            if item is not None:
+                r.delete(key)
+                return str(item[1])
+        return None
+    finally:
+        waker.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         spec=spec,
         runtime=build_runtime(r, cmd["model"], bool(cmd.get("fault_injection")), stop),
         stop=stop,
+        limits_generation=int(cmd.get("limits_generation", 0)),
     )
     if not proc.load():
         return 1

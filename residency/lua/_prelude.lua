@@ -21,3 +21,15 @@ local function cas(key, to, sources, token)
   redis.call('HSET', key, 'state', to)
   return true, cur
 end
+
+-- Set the field/value pairs ARGV[first], ARGV[first + 1], ... on `key`; an empty value deletes
+-- its field.
+local function set_fields(key, first)
+  for i = first, #ARGV, 2 do
+    if ARGV[i + 1] == '' then
+      redis.call('HDEL', key, ARGV[i])
+    else
+      redis.call('HSET', key, ARGV[i], ARGV[i + 1])
+    end
+  end
+end

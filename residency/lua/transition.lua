@@ -4,11 +4,5 @@
 -- Returns {1, previous} on success, {0, current} when refused.
 local ok, prev = cas(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
 if not ok then return {0, prev} end
-for i = 4, #ARGV, 2 do
-  if ARGV[i + 1] == '' then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-  else
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-  end
-end
+set_fields(KEYS[1], 4)
 return {1, prev}

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import psutil
@@ -29,6 +30,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_up(cfg: Path, data: Path, **popen: Any) -> subprocess.Popen[Any]:
+    """`residency up` with this config and data dir, none of our RESIDENCY_* variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESIDENCY_")}
+    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(data)]
+    return subprocess.Popen([sys.executable, *args], env=env, **popen)
+
+
 class Up:
     def __init__(self, tmp: Path, models_dir: Path) -> None:
         """Start `residency up` with its data in ``tmp / "data"`` (reused if it exists)."""
@@ -43,22 +51,8 @@ class Up:
                 "models": tiny_models(models_dir),
             },
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESIDENCY_")}
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "residency.cli",
-                "up",
-                "--config",
-                str(cfg),
-                "--data-dir",
-                str(self.data),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        self.proc = start_up(
+            cfg, self.data, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.lines: list[str] = []
         assert self.proc.stdout is not None

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
 
+from coordinator import snapshot
 from residency import keys
 from tests.conftest import Pool
 from web.app import create_app
@@ -217,19 +219,29 @@ def test_lowering_the_limit_shrinks_the_pool_without_a_new_load(
     assert loads(pool, "a") == 1
     evicted = pool.r.hget(keys.metric_counters(), 'residency_evictions_total|{"reason":"limit"}')
     assert float(str(evicted)) == 2
+    # One pass did it all (3 -> 1, not 3 -> 2 -> ...), least recently used first.
+    limit_evictions = [e for e in pool.coordinator.effects.evictions if e[2] == "limit"]
+    assert [m for _, m, _ in limit_evictions] == ["b", "c"]
+    assert len({n for n, _, _ in limit_evictions}) == 1
 
 
 def test_health_is_one_record_and_a_stale_one_never_replaces_it(
     start_pool: Callable[..., Pool],
 ) -> None:
     """Rules 6 and 7: /health is one published record with its generation; a publish stamped
-    with an older generation is refused."""
+    with an older generation, or by a caller that lost the lease, is refused."""
     pool = start_pool()
     c = client_for(pool)
     h = c.get("/health").get_json()
     gen = h["generation"]
     assert gen >= 1 and h["max_models"]["llm"]["configured"] == 1
-    assert not pool.coordinator.scripts.publish_health(gen - 1, {"status": "stale"})
+    lease = pool.coordinator.lease_token
+    assert pool.coordinator.scripts.publish_health(gen - 1, {"status": "x"}, lease=lease) == (
+        "stale"
+    )
+    assert pool.coordinator.scripts.publish_health(gen + 99, {"status": "x"}, lease="other") == (
+        "not_leader"
+    )
     assert c.get("/health").get_json()["generation"] >= gen
     assert c.get("/health").get_json().get("status") == "ok"
     resp = c.patch("/admin/config", json={"pool": {"max_loaded_models": 2}}, headers=ADMIN)
@@ -240,6 +252,39 @@ def test_health_is_one_record_and_a_stale_one_never_replaces_it(
         what="the change published",
     )
     assert c.get("/health").get_json()["generation"] > newer
+
+
+def test_a_stale_pass_cannot_overwrite_health_or_the_floor(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """Rule 6: a pass that started before a change and publishes after it (a slow or paused
+    reconcile) is dropped: /health keeps the newer floor and policy breakdown."""
+    policy = {"candidates": ["a", "b"], "default": "a", "rules": []}
+    pool = start_pool(pool={"max_loaded_models": 1})
+    c = client_for(pool)
+    assert c.put("/admin/policies/p", json=policy, headers=ADMIN).status_code in (200, 201)
+    pool.wait_for(
+        lambda: c.get("/health").get_json()["llm_pool_autosize"]["candidate_floor"] == 2,
+        what="the floor of policy p",
+    )
+    co = pool.coordinator
+    # A pass begins: it takes its generation and reads the pool (policy p still there)...
+    stale_gen = int(pool.r.incr(keys.generation()))
+    stale = snapshot.read(pool.r, co.settings, time.time())
+    assert stale.autosize.floor.floor == 2
+    # ...meanwhile the policy is deleted and the leader publishes the newer state.
+    assert c.delete("/admin/policies/p", headers=ADMIN).status_code == 200
+    pool.wait_for(
+        lambda: c.get("/health").get_json()["llm_pool_autosize"]["candidate_floor"] == 0,
+        what="the floor without p",
+    )
+    # The stale pass finishes now: its record is refused.
+    co.publish(stale_gen, snapshot.health_record(stale, co.settings), force=True)
+    h = c.get("/health").get_json()
+    assert h["generation"] > stale_gen
+    assert h["llm_pool_autosize"]["candidate_floor"] == 0
+    assert h["llm_pool_autosize"]["policies"] == {}
+    assert h["max_models"]["llm"]["effective"] == 1
 
 
 def test_a_load_goes_to_the_warm_standby_process(start_pool: Callable[..., Pool]) -> None:

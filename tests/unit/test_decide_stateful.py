@@ -1,0 +1,478 @@
+"""DESIGN.md §4 under random event orders: a hypothesis state machine drives ``decide`` with a
+simulated pool.
+
+The simulation plays every other part of the box with the same rules the real parts follow:
+requests arrive, queue, are served one at a time by a ready model and end; loads finish late (after
+any number of other events, limit changes included) or fail; drains complete or are rescued by
+work that arrived meanwhile; limits change (unlimited included), models are pinned and unpinned,
+deleted and registered again, moved into and out of the routing-helper pool by policy changes,
+loaded and unloaded explicitly; hosts die and come back; model processes die; device memory
+passes the auto_evict threshold. After every coordinator pass and every step it checks:
+
+- no busy model is ever chosen as a victim, and no pinned one for any reason but an admin unload;
+- a pass never admits a load into a full pool, never loads a model that already holds a slot,
+  and never loads one model twice (single flight);
+- every request that arrived is served, rejected with an answer, queued or in flight (none lost);
+- once the traffic stops and the passes settle, every standard pool is within its effective limit
+  unless every resident left above it is pinned.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from coordinator.decide import (
+    HELPER,
+    STANDARD,
+    Action,
+    Blocked,
+    Evict,
+    Load,
+    ModelView,
+    Reap,
+    Reject,
+    Snapshot,
+    Wait,
+    WorkerView,
+    decide,
+)
+from residency.states import OCCUPYING
+from residency.states import ModelState as S
+
+TYPES = {"a": "llm", "b": "llm", "c": "llm", "d": "llm", "x": "embedding", "y": "embedding"}
+NAMES = sorted(TYPES)
+HOSTS = {"h1": ("cpu",), "h2": ("gpu0", "gpu1")}
+LOAD_TIMEOUT_S = 60.0
+
+names = st.sampled_from(NAMES)
+hosts = st.sampled_from(sorted(HOSTS))
+limits = st.sampled_from([-1, 1, 2, 3])
+
+
+@dataclass
+class Model:
+    """One model as the rest of the box sees it (the registry, its state hash, its queue)."""
+
+    name: str
+    state: S = S.UNLOADED
+    loads: int = 0  # bumps the token: a decision about an earlier load cannot touch this one
+    pinned: bool = False
+    registered: bool = True
+    pool: str = STANDARD
+    loaded_pool: str | None = None
+    explicit: str | None = None
+    queued: int = 0
+    in_flight: int = 0
+    demand_since: float | None = None
+    last_used: float = 0.0
+    host: str | None = None
+    device: str | None = None
+    loading_since: float | None = None
+    load_seconds: float | None = None
+
+    @property
+    def token(self) -> str:
+        return f"{self.name}-{self.loads}"
+
+    @property
+    def occupying(self) -> bool:
+        return self.state in OCCUPYING
+
+    def view(self) -> ModelView:
+        return ModelView(
+            name=self.name,
+            type=TYPES[self.name],
+            state=self.state,
+            token=self.token,
+            pinned=self.pinned,
+            queued=self.queued,
+            in_flight=self.in_flight,
+            last_used=self.last_used,
+            demand_since=self.demand_since,
+            host=self.host,
+            device=self.device,
+            registered=self.registered,
+            loading_since=self.loading_since,
+            pool=self.pool,
+            loaded_pool=self.loaded_pool,
+            explicit=self.explicit,
+            load_seconds=self.load_seconds,
+        )
+
+    def free_slot(self) -> None:
+        """The process is gone: its slot is free and its in-flight work goes back to the queue."""
+        self.state = S.UNLOADED
+        self.host = self.device = self.loading_since = self.loaded_pool = None
+        self.queued += self.in_flight
+        self.in_flight = 0
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.models = {n: Model(n) for n in NAMES}
+        self.alive = {h: True for h in HOSTS}
+        self.memory: dict[tuple[str, str], float] = {}
+        self.limits = {"llm": 3, "embedding": 2}
+        self.auto_evict = False
+        self.now = 1000.0
+        self.arrived = self.served = self.rejected = 0
+
+    # -- the coordinator ------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        workers = {
+            h: WorkerView(
+                h,
+                devs,
+                alive=self.alive[h],
+                memory={d: self.memory.get((h, d), 0.3) for d in devs},
+            )
+            for h, devs in HOSTS.items()
+        }
+        return Snapshot(
+            models={n: m.view() for n, m in self.models.items()},
+            workers=workers,
+            limits=dict(self.limits),
+            now=self.now,
+            load_timeout_s=LOAD_TIMEOUT_S,
+            auto_evict=self.auto_evict,
+            auto_evict_threshold=0.9,
+        )
+
+    def coordinator_pass(self) -> list[Action]:
+        snap = self.snapshot()
+        actions = decide(snap)
+        self.check(snap, actions)
+        self.apply(actions)
+        self.clear_stale_explicit()
+        return actions
+
+    def check(self, snap: Snapshot, actions: list[Action]) -> None:
+        evicts = [a for a in actions if isinstance(a, Evict)]
+        loads = [a for a in actions if isinstance(a, Load)]
+        reaped = {a.model for a in actions if isinstance(a, Reap)}
+        for a in evicts:
+            m = snap.models[a.model]
+            assert not m.busy, f"busy model {a.model} chosen as a victim ({a.reason})"
+            assert m.state is S.READY, f"{a.model} evicted while {m.state}"
+            assert a.token == m.token
+            if a.reason == "admin":
+                assert m.explicit == "unload"
+            else:
+                assert not m.pinned, f"pinned model {a.model} chosen as a victim ({a.reason})"
+            if a.reason == "deleted":
+                assert not m.registered
+        assert len({a.model for a in evicts}) == len(evicts), "one model evicted twice"
+        # Single flight: a model is loaded once, only when it holds no slot, only where it can run.
+        assert len({a.model for a in loads}) == len(loads), "one model loaded twice in a pass"
+        for a in loads:
+            m = snap.models[a.model]
+            assert not m.occupying, f"{a.model} loaded while {m.state}"
+            assert m.registered and m.wants_load and m.explicit != "unload"
+            assert snap.workers[a.host].alive and a.device in snap.workers[a.host].devices
+            assert a.model not in {e.model for e in evicts}
+        # Admission never overfills a pool: loads go only into free slots.
+        admitted = Counter((snap.models[a.model].type, snap.models[a.model].pool) for a in loads)
+        for (typ, pool), n in admitted.items():
+            limit = snap.limits[typ] if pool == STANDARD else -1
+            if limit == -1:
+                continue
+            held = sum(
+                1
+                for m in snap.models.values()
+                if m.type == typ and m.occupying and m.slot_pool == pool and m.name not in reaped
+            )
+            assert held + n <= limit, f"{n} load(s) into a full {typ} pool ({held}/{limit})"
+        # Rule 4: one pass shrinks a pool all the way; no idle, unpinned resident is left over.
+        evicted = {a.model for a in evicts}
+        for typ, limit in snap.limits.items():
+            held = [
+                m
+                for m in snap.models.values()
+                if m.type == typ
+                and m.occupying
+                and m.slot_pool == STANDARD
+                and m.name not in reaped
+                and m.state is not S.DRAINING
+                and m.name not in evicted
+            ]
+            spare = [m for m in held if m.state is S.READY and not m.busy and not m.pinned]
+            assert limit == -1 or len(held) <= limit or not spare, (
+                f"{typ} pool left at {len(held)} > {limit} with idle victims {spare}"
+            )
+            # ...and not below it: slots already draining count as freed.
+            shrunk = [a for a in evicts if a.reason == "limit" and snap.models[a.model].type == typ]
+            coming = [
+                a
+                for a in actions
+                if isinstance(a, Wait)
+                and a.reason in ("evicting", "slot_draining")
+                and snap.models[a.model].type == typ
+                and snap.models[a.model].pool == STANDARD
+            ]
+            assert not shrunk or len(held) + len(coming) >= limit, (
+                f"{typ} pool shrunk below {limit}: {shrunk}"
+            )
+        for a in actions:
+            if isinstance(a, Reject):
+                m = snap.models[a.model]
+                held = [
+                    v
+                    for v in snap.models.values()
+                    if v.type == m.type
+                    and v.occupying
+                    and v.slot_pool == m.pool
+                    and v.name not in reaped
+                ]
+                assert held and all(v.pinned for v in held), "rejected while a slot could free"
+            if isinstance(a, Reap):
+                m = snap.models[a.model]
+                assert m.occupying
+                assert not self.alive[m.host or ""] or (
+                    m.state is S.LOADING and self.now - (m.loading_since or 0) > LOAD_TIMEOUT_S
+                )
+
+    def apply(self, actions: list[Action]) -> None:
+        """What Effects does, each write a compare-and-set on the model's state and token."""
+        for a in actions:
+            m = self.models[a.model] if not isinstance(a, Blocked) else None
+            if isinstance(a, Reap) and m and m.token == a.token and m.occupying:
+                m.free_slot()
+                if m.queued and m.demand_since is None:
+                    m.demand_since = self.now
+            elif isinstance(a, Evict) and m and m.token == a.token and m.state is S.READY:
+                m.state = S.DRAINING
+            elif isinstance(a, Load) and m and m.state in (S.UNLOADED, S.FAILED):
+                m.state, m.host, m.device = S.LOADING, a.host, a.device
+                m.loads += 1
+                m.loading_since, m.loaded_pool = self.now, m.pool
+                if m.explicit == "load":
+                    m.explicit = None
+            elif isinstance(a, Reject) and m:
+                self.rejected += m.queued
+                m.queued, m.demand_since = 0, None
+
+    def clear_stale_explicit(self) -> None:
+        for m in self.models.values():
+            if (m.explicit == "load" and m.occupying) or (
+                m.explicit == "unload" and not m.occupying
+            ):
+                m.explicit = None
+
+    # -- rules: the world around the coordinator ------------------------------------------------
+
+    @initialize(warm=st.lists(names, max_size=5))
+    def some_models_are_already_in_use(self, warm: list[str]) -> None:
+        for name in warm:
+            self.a_request_is_served_end_to_end(name)
+
+    @rule()
+    def run_a_pass(self) -> None:
+        self.coordinator_pass()
+
+    @rule(dt=st.sampled_from([0.1, 1.0, 5.0, 90.0]))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(name=names, n=st.integers(1, 3))
+    def requests_arrive(self, name: str, n: int) -> None:
+        m = self.models[name]
+        if not m.registered:
+            return  # answered 404 at the door: never queued
+        self.arrived += n
+        m.queued += n
+        if m.demand_since is None:
+            m.demand_since = self.now
+
+    @rule(name=names)
+    def a_request_is_served_end_to_end(self, name: str) -> None:
+        """The common case in one step (so pools fill up often): a request arrives, a pass runs,
+        the load (if one started) finishes, and the request is served."""
+        self.requests_arrive(name, 1)
+        self.coordinator_pass()
+        self.a_load_finishes(name, True)
+        while self.models[name].state is S.READY and self.models[name].queued:
+            self.a_request_starts(name)
+            self.a_request_ends(name)
+        self.now += 1.0
+
+    @rule(name=names)
+    def a_request_starts(self, name: str) -> None:
+        m = self.models[name]
+        if m.state is S.READY and m.queued and not m.in_flight:
+            m.queued -= 1
+            m.in_flight = 1
+            m.demand_since = self.now if m.queued else None
+
+    @rule(name=names)
+    def a_request_ends(self, name: str) -> None:
+        m = self.models[name]
+        if m.in_flight:
+            m.in_flight -= 1
+            self.served += 1
+            m.last_used = self.now
+
+    @rule(name=names, ok=st.booleans())
+    def a_load_finishes(self, name: str, ok: bool) -> None:
+        m = self.models[name]
+        if m.state is not S.LOADING:
+            return
+        if ok:
+            m.state = S.READY
+            m.load_seconds = self.now - (m.loading_since or self.now)
+            m.last_used, m.loading_since = self.now, None
+        else:
+            m.state = S.FAILED
+            m.host = m.device = m.loading_since = m.loaded_pool = None
+            self.rejected += m.queued  # answered model_load_failed
+            m.queued, m.demand_since = 0, None
+
+    @rule(name=names)
+    def a_drain_completes(self, name: str) -> None:
+        m = self.models[name]
+        if m.state is not S.DRAINING:
+            return
+        if m.queued or m.in_flight:
+            m.state = S.READY  # rescued: work arrived while it drained
+        else:
+            m.free_slot()
+
+    @rule(name=names)
+    def a_model_process_dies(self, name: str) -> None:
+        m = self.models[name]
+        if m.state in (S.READY, S.DRAINING):
+            m.free_slot()
+            if m.queued and m.demand_since is None:
+                m.demand_since = self.now
+
+    @rule(host=hosts, alive=st.booleans())
+    def a_host_goes_or_comes_back(self, host: str, alive: bool) -> None:
+        self.alive[host] = alive
+
+    @rule(typ=st.sampled_from(["llm", "embedding"]), limit=limits)
+    def the_limit_changes(self, typ: str, limit: int) -> None:
+        self.limits[typ] = limit
+
+    @rule(typ=st.sampled_from(["llm", "embedding"]), by=st.integers(1, 3))
+    def the_limit_drops_below_the_pool(self, typ: str, by: int) -> None:
+        """An admin takes memory back: the limit falls below what is resident now."""
+        held = sum(
+            1
+            for m in self.models.values()
+            if TYPES[m.name] == typ and m.occupying and (m.loaded_pool or m.pool) == STANDARD
+        )
+        self.limits[typ] = max(1, held - by)
+
+    @rule(name=names, pinned=st.booleans())
+    def pin_or_unpin(self, name: str, pinned: bool) -> None:
+        if self.models[name].registered:
+            self.models[name].pinned = pinned
+
+    @rule(name=names, what=st.sampled_from(["load", "unload", None]))
+    def explicit_load_or_unload(self, name: str, what: str | None) -> None:
+        m = self.models[name]
+        if m.registered:
+            m.explicit = what
+
+    @rule(name=names, helper=st.booleans())
+    def a_policy_changes(self, name: str, helper: bool) -> None:
+        """A policy starts or stops using the model as its routing helper."""
+        if TYPES[name] == "llm":
+            self.models[name].pool = HELPER if helper else STANDARD
+
+    @rule(name=names)
+    def the_model_is_deleted(self, name: str) -> None:
+        m = self.models[name]
+        if not m.registered:
+            return
+        m.registered, m.pinned, m.explicit = False, False, None
+        self.rejected += m.queued  # queued requests are answered model_not_found
+        m.queued, m.demand_since = 0, None
+
+    @rule(name=names)
+    def the_model_is_registered_again(self, name: str) -> None:
+        self.models[name].registered = True
+
+    @rule(host=hosts, used=st.sampled_from([0.3, 0.95]), on=st.booleans())
+    def memory_pressure(self, host: str, used: float, on: bool) -> None:
+        self.memory[(host, HOSTS[host][0])] = used
+        self.auto_evict = on
+
+    @precondition(lambda self: any(m.occupying or m.queued for m in self.models.values()))
+    @rule()
+    def traffic_stops_and_the_pool_settles(self) -> None:
+        """Hosts come back, every request is served or answered, loads and drains finish, and
+        passes run until they have nothing left to do: the pool must then be within its limits."""
+        self.alive = {h: True for h in HOSTS}
+        for _ in range(60):
+            for m in self.models.values():
+                if m.state is S.LOADING:
+                    m.state, m.last_used = S.READY, self.now
+                    m.load_seconds, m.loading_since = 1.0, None
+                while m.state is S.READY and (m.queued or m.in_flight):
+                    if not m.in_flight:
+                        m.queued -= 1
+                        m.in_flight = 1
+                    m.in_flight = 0
+                    self.served += 1
+                    m.last_used = self.now
+                m.demand_since = self.now if m.queued else None
+                if m.state is S.DRAINING:
+                    m.free_slot()
+            self.now += 1.0
+            actions = self.coordinator_pass()
+            moving = [a for a in actions if isinstance(a, Load | Evict | Reap)]
+            if not moving and not any(m.queued or m.in_flight for m in self.models.values()):
+                break
+        else:
+            raise AssertionError(f"the pool never settled: {self.models}")
+        snap = self.snapshot()
+        assert not any(isinstance(a, Blocked) for a in decide(snap)), "blocked with nothing busy"
+        for typ, limit in self.limits.items():
+            held = [
+                m
+                for m in snap.models.values()
+                if m.type == typ and m.occupying and m.slot_pool == STANDARD
+            ]
+            if limit != -1 and len(held) > limit:
+                assert all(m.pinned for m in held), (
+                    f"{typ} pool settled at {len(held)} > {limit} with unpinned residents"
+                )
+        for m in snap.models.values():
+            assert not (m.occupying and not m.registered and not m.pinned), f"{m.name} deleted"
+            assert not (m.occupying and m.slot_pool == HELPER and m.pool != HELPER), (
+                f"unused helper {m.name} kept"
+            )
+
+    # -- invariants after every step ------------------------------------------------------------
+
+    @invariant()
+    def no_request_is_lost(self) -> None:
+        queued = sum(m.queued for m in self.models.values())
+        in_flight = sum(m.in_flight for m in self.models.values())
+        assert self.arrived == self.served + self.rejected + queued + in_flight
+
+    @invariant()
+    def only_a_ready_model_serves_and_a_slot_has_a_place(self) -> None:
+        for m in self.models.values():
+            assert m.in_flight <= 1
+            assert not m.in_flight or m.state is S.READY
+            assert (m.host is not None) == m.occupying, replace(m)
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=400, stateful_step_count=50, deadline=None, print_blob=True
+)
+TestPool = PoolMachine.TestCase
