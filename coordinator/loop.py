@@ -170,9 +170,8 @@ class Coordinator:
         """Block for the first event (bounded), then take every event already queued, and while
         the pass would only handle admin changes, those that follow within a quiet spell
         (``coalesce_wait``): a burst of changes costs one pass."""
-        try:
-            # A stop unblocks these reads at once (see Waker).
-            blocking = self.waker.ready() if self.waker else self.r
+        # A stop unblocks these reads at once (see Waker).
+        with self.waker.reading() if self.waker else contextlib.nullcontext(self.r) as blocking:
             first = blocking.blpop([keys.events()], timeout=wait_s)
             if first is None:
                 return []
@@ -183,10 +182,6 @@ class Coordinator:
                 if nxt is None or self.stop.is_set():
                     break
                 events += self._take(str(nxt[1]))
-        except redis.RedisError:
-            if self.waker:
-                self.waker.lost()
-            raise
         return events
 
     def _take(self, first: str) -> list[Event]:
@@ -218,12 +213,14 @@ class Coordinator:
         a burst of changes costs a few passes, and the last pass sees the last change. Re-plans
         until nothing changes (bounded), so a pool shrinks all the way in one pass and a freed
         slot's load starts in the same pass."""
-        gen = int(self.r.incr(keys.generation()))
-        self.passes += 1
-        self.effects.pass_number = self.passes
         events = events or []
         trigger = _trigger(events)
-        metrics.inc(self.r, metrics.PASSES_TOTAL, {"trigger": trigger})
+        pipe = self.r.pipeline(transaction=False)
+        pipe.incr(keys.generation())
+        metrics.inc(pipe, metrics.PASSES_TOTAL, {"trigger": trigger})
+        gen = int(pipe.execute()[0])
+        self.passes += 1
+        self.effects.pass_number = self.passes
         s = self.refresh_settings()
         for ev in events:
             if ev.type is EventType.LOAD_FAILED:
@@ -245,7 +242,6 @@ class Coordinator:
                 break
         self.effects.watch_idle(waits_for_idle(actions, rd.snap))
         blocked = {a.type: a.over for a in actions if isinstance(a, Blocked)}
-        self.track_deferral(blocked)
         self.tell_autosize(rd.autosize)
         enforcement = {
             "pass": self.passes,
@@ -254,6 +250,9 @@ class Coordinator:
             "deferred": bool(blocked),
         }
         self.publish(gen, snapshot.health_record(rd, s, enforcement), force=bool(events))
+        # After publishing: the retry job reads the published record to know whether the pool
+        # is still blocked.
+        self.track_deferral(blocked)
         return actions
 
     def sync_limits(self, gen: int, rd: snapshot.Read) -> bool:
@@ -272,15 +271,10 @@ class Coordinator:
         """Rule 4: a shrink that only busy (or pinned) residents block is retried with backoff
         on the rq retry queue, besides being re-armed by their busy -> idle edge; the job goes
         as soon as a pass finds every pool within its limit."""
-        try:
-            if blocked:
-                retry.defer(self.rq, blocked)
-            elif self._deferred and retry.settle(self.rq):
-                log.info("deferred shrink done: every pool is within its limit")
-        except redis.RedisError:
-            raise
-        except Exception:
-            log.exception("retry queue")
+        if blocked:
+            retry.defer(self.rq, blocked)
+        elif self._deferred and retry.settle(self.rq):
+            log.info("deferred shrink done: every pool is within its limit")
         self._deferred = bool(blocked)
 
     def publish(self, gen: int, record: dict[str, object], *, force: bool = False) -> None:

@@ -33,6 +33,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
 from residency import keys
+from residency.loops import run_until_stopped
 from residency.messages import Event, EventType
 
 log = logging.getLogger("residency.coordinator")
@@ -157,12 +158,9 @@ def run_worker(r: redis.Redis, stop: threading.Event) -> None:
     for name in ("rq.worker", "rq.job", "rq.scheduler", "rq.queue"):
         # rq narrates every burst at INFO; residency logs what a job means instead.
         logging.getLogger(name).setLevel(logging.WARNING)
-    while not stop.wait(TICK_S):
-        try:
-            if _has_work(q):
-                _ThreadWorker([q], connection=r).work(burst=True, with_scheduler=True)
-        except redis.RedisError as e:
-            log.error("retry worker: %s", e)
-            stop.wait(1.0)
-        except Exception:
-            log.exception("retry worker tick failed")
+
+    def tick() -> None:
+        if not stop.wait(TICK_S) and _has_work(q):
+            _ThreadWorker([q], connection=r).work(burst=True, with_scheduler=True)
+
+    run_until_stopped(stop, tick, log, "retry worker")

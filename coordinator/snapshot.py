@@ -29,20 +29,19 @@ class Read:
     worker_hashes: dict[str, dict[str, str]]
     autosize: Autosize  # the floor and per-policy counts, from the same read as the pool
     helpers: tuple[str, ...] = ()  # the routing-helper set, from that same read
-    limits_record: dict[str, str] | None = None  # the limits last published (keys.limits())
 
 
 def read(r: redis.Redis, s: Settings, now: float) -> Read:
-    """The pool as one Snapshot. The registry, the policies and the published limits come from
-    one MULTI (so the floor, the per-policy breakdown and the helper set are computed from one
-    consistent view of the registry), the pool state from one more pipelined round trip."""
+    """The pool as one Snapshot. The registry, the policies, the explicit wishes and the workers
+    come from one MULTI (so the floor, the per-policy breakdown and the helper set are computed
+    from one consistent view of the registry), the pool state from one more pipelined round
+    trip."""
     pipe = r.pipeline(transaction=True)
     pipe.hgetall(keys.registry())
     pipe.hgetall(keys.policies())
     pipe.hgetall(keys.explicit())
     pipe.smembers(keys.workers())
-    pipe.hgetall(keys.limits())
-    raw_registry, raw_policies, explicit, members, limits_record = pipe.execute()
+    raw_registry, raw_policies, explicit, members = pipe.execute()
     entries = {n: registry.Entry.loads(n, v) for n, v in raw_registry.items()}
     pols = policy_store.parsed(
         {n: policy_store.PolicyEntry.loads(n, v) for n, v in raw_policies.items()}
@@ -119,7 +118,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         auto_evict=s.pool.auto_evict,
         auto_evict_threshold=s.pool.auto_evict_threshold,
     )
-    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)), limits_record)
+    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)))
 
 
 def health_record(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import redis
 
@@ -34,8 +34,8 @@ class Waker:
     """Blocking reads (BLPOP, BLMOVE) on a connection of their own, which a stop unblocks at
     once (CLIENT UNBLOCK from another connection): a shutdown never waits out a read's timeout.
 
-    ``r`` is the role's client; ``stop`` its stop event. ``blocking`` is the client to block on.
-    The wake-up thread lives until ``stop`` is set (or ``close``)."""
+    ``r`` is the role's client; ``stop`` its stop event. Block inside ``with waker.reading() as
+    client:``. The wake-up thread lives until ``stop`` is set (or ``close``)."""
 
     def __init__(self, r: redis.Redis, stop: threading.Event) -> None:
         self.r = r
@@ -54,9 +54,15 @@ class Waker:
             self._id = int(self.blocking.client_id())
         return self.blocking
 
-    def lost(self) -> None:
-        """The blocking connection failed: its id will change when it reconnects."""
-        self._id = None
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[redis.Redis]:
+        """The blocking client for a read; if the connection fails, its id is read again on the
+        next use (a reconnect gives it a new one)."""
+        try:
+            yield self.ready()
+        except redis.RedisError:
+            self._id = None
+            raise
 
     def _wake_on_stop(self) -> None:
         while not self._closed.is_set():

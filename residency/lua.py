@@ -140,7 +140,7 @@ class Scripts:
         *,
         now: float,
         idle_event: dict[str, Any],
-        request_id: str = "",
+        request_id: str,
         last: tuple[str, dict[str, Any]] | None = None,
     ) -> bool:
         """Take a finished request off the processing list, writing its last reply message

@@ -125,13 +125,8 @@ class Agent:
     def iteration(self) -> None:
         if time.time() - self._last_beat >= HEARTBEAT_S:
             self.heartbeat()
-        try:
-            blocking = self.waker.ready() if self.waker else self.r
+        with self.waker.reading() if self.waker else contextlib.nullcontext(self.r) as blocking:
             item = blocking.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
-        except redis.RedisError:
-            if self.waker:
-                self.waker.lost()
-            raise
         if item is not None:
             self.handle(str(item[1]))
         self.watch_children()

@@ -37,8 +37,8 @@ class FaultyRuntime:
         # The delay is re-read while waiting, so a drill can end a slow load early by lowering
         # it; the wait wakes at once on shutdown (a slow load never holds up teardown).
         started = time.monotonic()
+        key = f"load_delay_s:{self.model}"
         while not self.stop.is_set():
-            key = f"load_delay_s:{self.model}"
             delay = float(cast(str, self.r.hget(keys.faults(), key)) or 0)
             left = delay - (time.monotonic() - started)
             if left <= 0:

@@ -132,18 +132,14 @@ class ModelProcess:
 
     def _serve(self, waker: Waker, next_check: float) -> None:
         while not self.stop.is_set():
-            try:
-                blocking = waker.ready()
-            except redis.RedisError:
-                waker.lost()
-                raise
-            raw = blocking.blmove(
-                keys.queue(self.model),
-                keys.processing(self.model),
-                TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
-                "RIGHT",
-                "LEFT",
-            )
+            with waker.reading() as blocking:
+                raw = blocking.blmove(
+                    keys.queue(self.model),
+                    keys.processing(self.model),
+                    TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
+                    "RIGHT",
+                    "LEFT",
+                )
             if raw is not None:
                 self.handle(str(raw))
             if self.check_control() == "unloaded":
@@ -304,7 +300,8 @@ def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | N
     waker = Waker(r, stop)
     try:
         while not stop.is_set():
-            item = waker.ready().blpop([key], timeout=1)
+            with waker.reading() as blocking:
+                item = blocking.blpop([key], timeout=1)
             if item is not None:
                 r.delete(key)
                 return str(item[1])
