@@ -9,11 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from residency import keys
 from residency.states import OCCUPYING, ModelState
 
 STANDARD = "standard"
 HELPER = "helper"  # routing helpers (policy routers, classifiers): own pool, no cap
 POOLS = (STANDARD, HELPER)
+# A draining model commits its unload within a second or so of being told; one still draining
+# after this long whose agent does not report its process is reaped (its state is unbacked).
+DRAIN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,11 @@ class ModelView:
     loaded_pool: str | None = None  # the pool whose slot it took when it was loaded
     explicit: str | None = None  # "load" | "unload" asked through the admin API
     load_seconds: float | None = None
+    loaded_at: float | None = None  # host clock of the model process's load commit
+    draining_since: float | None = None
+    # Times of its recent failures (failed loads, crashes), oldest first, and the last cause.
+    failures: tuple[float, ...] = ()
+    last_error: str | None = None
 
     @property
     def busy(self) -> bool:
@@ -60,6 +69,14 @@ class WorkerView:
     devices: tuple[str, ...]
     alive: bool = True
     memory: dict[str, float] = field(default_factory=dict)  # device -> fraction of memory used
+    # The agent's report of the model processes it runs: model name -> load token, read at
+    # ``children_at`` (host clock). None: this agent does not report them.
+    children: dict[str, str] | None = None
+    children_at: float | None = None
+
+    def runs(self, m: ModelView) -> bool:
+        """Whether the report shows a process for this load of ``m``."""
+        return self.children is not None and self.children.get(m.name) == m.token
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,9 @@ class Snapshot:
     load_timeout_s: float = 600.0
     auto_evict: bool = False
     auto_evict_threshold: float = 0.9
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    failure_limit: int = keys.LOAD_FAILURE_LIMIT
+    failure_window_s: float = keys.LOAD_FAILURE_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -103,7 +123,20 @@ class Reap:
 
     model: str
     token: str
-    reason: str  # "host_gone" | "load_timeout"
+    # "host_gone" | "load_timeout" | "no_process" (its agent reports no process for this load)
+    # | "drain_timeout" (draining too long, and its agent does not report its process)
+    reason: str
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The model failed ``failures`` times within the window: answer its queued requests at once
+    with the last cause instead of loading it again, until ``until``."""
+
+    model: str
+    until: float
+    failures: int
+    last_error: str
 
 
 @dataclass(frozen=True)
@@ -122,7 +155,7 @@ class Blocked:
     over: int
 
 
-Action = Load | Evict | Reject | Reap | Wait | Blocked
+Action = Load | Evict | Reject | Reap | Backoff | Wait | Blocked
 
 
 def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
@@ -137,6 +170,40 @@ def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
         and (m.explicit == "unload" or (m.slot_pool == HELPER and m.pool != HELPER))
         for m in snap.models.values()
     )
+
+
+def backoff_until(m: ModelView, snap: Snapshot) -> float | None:
+    """When the model's crash-loop backoff ends, or None if it is not in one: it is while
+    ``failure_limit`` of its failures lie within the window; it ends when the oldest of those
+    leaves it (the count then drops below the limit)."""
+    recent = [t for t in m.failures if snap.now - t < snap.failure_window_s]
+    if snap.failure_limit <= 0 or len(recent) < snap.failure_limit:
+        return None
+    return sorted(recent)[-snap.failure_limit] + snap.failure_window_s
+
+
+def unbacked(m: ModelView, snap: Snapshot) -> str | None:
+    """Why a ``ready`` or ``draining`` model on a live host holds state that no process backs
+    (the reap reason), or None. The agent's report is trusted only when it was read after the
+    process committed its load (same host clock), so a process that has just started is never
+    taken for a missing one."""
+    w = snap.workers.get(m.host or "")
+    if w is None or m.state not in (ModelState.READY, ModelState.DRAINING) or w.runs(m):
+        return None
+    if (
+        w.children is not None
+        and w.children_at is not None
+        and m.loaded_at is not None
+        and w.children_at > m.loaded_at
+    ):
+        return "no_process"
+    if (
+        m.state is ModelState.DRAINING
+        and m.draining_since is not None
+        and snap.now - m.draining_since > snap.drain_timeout_s
+    ):
+        return "drain_timeout"
+    return None
 
 
 def effective_limit(configured: int, autosize: bool, floor: int) -> int:
@@ -191,6 +258,9 @@ def decide(snap: Snapshot) -> list[Action]:
         ):
             actions.append(Reap(m.name, m.token, "load_timeout"))
             continue
+        if (why := unbacked(m, snap)) is not None:
+            actions.append(Reap(m.name, m.token, why))
+            continue
         live[m.name] = m
         if m.host is not None and m.device is not None:
             placement.add(m.host, m.device)
@@ -212,10 +282,21 @@ def decide(snap: Snapshot) -> list[Action]:
         actions += _memory_backstop(snap, live, evicting)
         evicting = {a.model for a in actions if isinstance(a, Evict)}
 
+    # A model in a crash loop is not loaded again: its waiting requests get the cause at once,
+    # and it never takes a slot (or evicts a resident) meanwhile.
+    backing_off: set[str] = set()
+    for m in snap.models.values():
+        if m.occupying or not m.registered or (until := backoff_until(m, snap)) is None:
+            continue
+        backing_off.add(m.name)
+        if m.wants_load:
+            failures = len([t for t in m.failures if snap.now - t < snap.failure_window_s])
+            actions.append(Backoff(m.name, until, failures, m.last_error or "unknown error"))
+
     types = sorted({m.type for m in snap.models.values()})
     for pool in POOLS:
         for typ in types:
-            actions += _decide_pool(snap, typ, pool, live, evicting, placement)
+            actions += _decide_pool(snap, typ, pool, live, evicting, placement, backing_off)
     return actions
 
 
@@ -226,6 +307,7 @@ def _decide_pool(
     live: dict[str, ModelView],
     evicting: set[str],
     placement: _Placement,
+    backing_off: set[str],
 ) -> list[Action]:
     out: list[Action] = []
     # Rule 2: routing helpers never take a standard slot, and their own pool has no cap.
@@ -241,6 +323,7 @@ def _decide_pool(
             and m.wants_load
             and m.explicit != "unload"
             and m.state in (ModelState.UNLOADED, ModelState.FAILED)
+            and m.name not in backing_off
         ),
         key=lambda m: (m.demand_since if m.demand_since is not None else snap.now, m.name),
     )
@@ -310,3 +393,26 @@ def _memory_backstop(
                 v = max(victims, key=lambda m: (eviction_score(m, snap.now), m.name))
                 out.append(Evict(v.name, v.token, "memory"))
     return out
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Keys nobody needs any more: hosts that are gone and hold no model any more (their worker
+    record, command lists and membership of the host set), and models deleted from the registry
+    that hold no slot and have no work (their state hash, control list and failure window)."""
+
+    hosts: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+
+
+def forgettable(snap: Snapshot) -> Forget:
+    """What the pruning step may delete, judged from the snapshot; each deletion re-checks its
+    condition in its own script (a host may come back, a model be registered again)."""
+    placed = {m.host for m in snap.models.values() if m.occupying and m.host is not None}
+    hosts = sorted(h for h, w in snap.workers.items() if not w.alive and h not in placed)
+    models = sorted(
+        n
+        for n, m in snap.models.items()
+        if not m.registered and not m.occupying and not m.busy and m.explicit is None
+    )
+    return Forget(tuple(hosts), tuple(models))

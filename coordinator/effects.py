@@ -1,7 +1,10 @@
 """Carry out the decisions of ``coordinator.decide`` against Redis.
 
 Each effect is one Lua script (state change and the command it implies commit together),
-fenced by the leader lease token; logging and metrics follow the commit.
+fenced by the leader lease token; logging and metrics follow the commit. Every other write of
+the leader (explicit wishes, the idle watch, counters) goes through a fenced batch
+(``Scripts.fenced``). A refused write raises ``NotLeader``, which ends the pass: a deposed
+leader applies nothing more.
 """
 
 from __future__ import annotations
@@ -11,12 +14,25 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 
 import redis
 
-from coordinator.decide import Action, Blocked, Evict, Load, Reap, Reject, Snapshot, Wait
+from coordinator import failures
+from coordinator.decide import (
+    Action,
+    Backoff,
+    Blocked,
+    Evict,
+    Load,
+    Reap,
+    Reject,
+    Snapshot,
+    Wait,
+)
+from coordinator.failures import load_failed
 from residency import errors, keys, metrics, registry, work
-from residency.lua import Scripts
+from residency.lua import Fenced, NotLeader, Scripts
 from residency.settings import Settings
 from residency.states import ModelState
 
@@ -24,8 +40,11 @@ log = logging.getLogger("residency.coordinator")
 
 
 class Effects:
-    def __init__(self, r: redis.Redis, scripts: Scripts, lease_token: str) -> None:
+    def __init__(
+        self, r: redis.Redis, scripts: Scripts, lease_token: str, models_dir: Path | None = None
+    ) -> None:
         self.r = r
+        self.models_dir = models_dir  # the box's DATA_DIR/models (admin models may lie there)
         self.scripts = scripts
         self.lease_token = lease_token
         self._last_waits: dict[str, str] = {}
@@ -56,7 +75,7 @@ class Effects:
                 continue
             try:
                 changed += self._apply_one(a, snap, model_hashes, s)
-            except redis.RedisError:
+            except (redis.RedisError, NotLeader):
                 raise
             except Exception:
                 # One bad action (a registry entry that vanished…) must not stop the others.
@@ -77,20 +96,34 @@ class Effects:
             return self.evict(a, snap.now, float(loaded_at) if loaded_at else None)
         if isinstance(a, Reject):
             pool = snap.models[a.model].type
-            n = work.fail_queued(self.r, a.model, errors.slots_pinned(a.model, pool))
-            self.r.hdel(keys.explicit(), a.model)
+            n = work.fail_queued(
+                self.r, a.model, errors.slots_pinned(a.model, pool), lease=self.lease_token
+            )
+            self.fenced().hdel(keys.explicit(), a.model).execute()
             log.warning("rejected %d request(s) for %s: %s", n, a.model, a.code)
             return 0
         if isinstance(a, Reap):
-            return self.reap(a, snap.models[a.model].state)
+            return self.reap(a, snap.models[a.model].state, snap.now)
+        if isinstance(a, Backoff):
+            err = failures.load_backoff(
+                a.model, until=a.until, now=snap.now, failures=a.failures, last_error=a.last_error
+            )
+            n = work.fail_queued(self.r, a.model, err, lease=self.lease_token)
+            self.fenced().hdel(keys.explicit(), a.model).execute()
+            log.warning("answered %d request(s) for %s at once: in backoff", n, a.model)
+            return 0
         return 0
+
+    def fenced(self) -> Fenced:
+        """A batch of plain writes, applied only while this leader's lease holds."""
+        return self.scripts.fenced(self.lease_token)
 
     def watch_idle(self, on: bool) -> None:
         """Ask model processes for busy -> idle events only while a decision waits for one."""
         if on:
-            self.r.set(keys.idle_watch(), "1", ex=keys.IDLE_WATCH_TTL_S)
+            self.fenced().set(keys.idle_watch(), "1", ex=keys.IDLE_WATCH_TTL_S).execute()
         else:
-            self.r.delete(keys.idle_watch())
+            self.fenced().delete(keys.idle_watch()).execute()
 
     def load(self, a: Load, s: Settings, pool: str) -> int:
         entry = registry.get(self.r, a.model)
@@ -104,6 +137,7 @@ class Effects:
             "device": a.device,
             "spec": entry.spec.model_dump(),
             "fault_injection": s.debug.fault_injection,
+            "model_dirs": registry.load_dirs(entry, self.models_dir, s),
             "limits_generation": self.limits_generation,
         }
         ok, prev = self.scripts.start_load(
@@ -116,10 +150,12 @@ class Effects:
             lease=self.lease_token,
             pool=pool,
         )
+        if prev == "not_leader":
+            raise NotLeader(f"load of {a.model} refused")
         if not ok:
             log.info("load of %s not started: state is %s", a.model, prev)
             return 0
-        self.r.hdel(keys.explicit(), a.model)
+        self.fenced().hdel(keys.explicit(), a.model).execute()
         log.info("loading %s on %s/%s", a.model, a.host, a.device)
         return 1
 
@@ -131,10 +167,12 @@ class Effects:
             now=now,
             lease=self.lease_token,
         )
+        if res == "not_leader":
+            raise NotLeader(f"eviction of {a.model} refused")
         if res != "ok":
             log.info("eviction of %s (%s) refused: %s", a.model, a.reason, res)
             return 0
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.fenced()
         if a.reason == "admin":
             pipe.hdel(keys.explicit(), a.model)
         metrics.inc(pipe, metrics.EVICTIONS_TOTAL, {"reason": a.reason})
@@ -145,34 +183,36 @@ class Effects:
         log.info("evicting %s (%s)", a.model, a.reason)
         return 1
 
-    def reap(self, a: Reap, state: ModelState) -> int:
+    def reap(self, a: Reap, state: ModelState, now: float) -> int:
         dst = ModelState.FAILED if state is ModelState.LOADING else ModelState.UNLOADED
         ok, _ = self.scripts.transition(
             a.model,
             dst,
             token=a.token,
-            fields={"error": a.reason, "pid": None, "host": None, "device": None},
+            fields={
+                "error": a.reason,
+                "pid": None,
+                "host": None,
+                "device": None,
+                "draining_since": None,
+            },
+            lease=self.lease_token,
         )
         if not ok:
             return 0
-        work.hand_back(self.r, self.scripts, a.model, a.reason)
+        work.hand_back(self.r, self.scripts, a.model, a.reason, lease=self.lease_token)
         if dst is ModelState.FAILED:
-            work.fail_queued(self.r, a.model, load_failed(a.model, a.reason))
+            failures.record(self.r, a.model, a.token, a.reason, now, lease=self.lease_token)
+            work.fail_queued(
+                self.r, a.model, load_failed(a.model, a.reason), lease=self.lease_token
+            )
         log.warning("reaped %s: %s", a.model, a.reason)
         return 1
 
 
-def load_failed(model: str, reason: str) -> errors.ApiError:
-    return errors.ApiError(
-        500,
-        f"model '{model}' failed to load: {reason}",
-        type="server_error",
-        code="model_load_failed",
-    )
-
-
-def clear_stale_explicit(r: redis.Redis, snap: Snapshot) -> None:
-    """Drop explicit load/unload requests that are already true (or whose model is gone)."""
+def clear_stale_explicit(scripts: Scripts, snap: Snapshot, *, lease: str) -> None:
+    """Drop explicit load/unload requests that are already true (or whose model is gone);
+    fenced by the leader's ``lease``."""
     stale = [
         name
         for name, m in snap.models.items()
@@ -181,4 +221,4 @@ def clear_stale_explicit(r: redis.Redis, snap: Snapshot) -> None:
         or (m.explicit and not m.registered)
     ]
     if stale:
-        r.hdel(keys.explicit(), *stale)
+        scripts.fenced(lease).hdel(keys.explicit(), *stale).execute()

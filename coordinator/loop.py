@@ -1,12 +1,23 @@
 """The coordinator: one leader (by Redis lease) runs one loop — events → snapshot → decide →
 effects → publish. Standbys wait for the lease. Nothing sleeps on a request path: the loop only
-ever waits on its event list (with a timeout) or on the stop event."""
+ever waits on its event list (with a timeout) or on the stop event.
+
+Leadership: a coordinator takes the lease (``acquire.lua``: SET NX PX and the epoch INCR in one
+step) with a fresh token per term; its own thread renews it every third of the TTL, so a long
+pass or a blocking read never lets it lapse. Every write the leader makes — each effect's
+script, the plain writes of a pass (``Scripts.fenced``), the retry queue's MULTI — checks that
+token inside Redis, so a leader that was paused past the TTL and wakes up changes nothing: its
+first refused write raises ``NotLeader`` and it stands by. A standby polls for the free lease
+every ``STANDBY_POLL_S``, so it leads within the TTL of the leader's last renewal plus one
+poll."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -15,14 +26,14 @@ from typing import cast
 
 import redis
 
-from coordinator import retry, snapshot
+from coordinator import failures, prune, retry, snapshot
 from coordinator.autosize import CONFIG_VERSION, Autosize
-from coordinator.decide import Action, Blocked, decide, waits_for_idle
-from coordinator.effects import Effects, clear_stale_explicit, load_failed
-from residency import keys, metrics, policy_store, registry, work
+from coordinator.decide import Action, Blocked, decide, forgettable, waits_for_idle
+from coordinator.effects import Effects, clear_stale_explicit
+from residency import keys, metrics, policy_store, registry
 from residency.box import Box, ConfigStore
 from residency.loops import Waker, run_until_stopped
-from residency.lua import Scripts
+from residency.lua import Fenced, NotLeader, Scripts
 from residency.messages import Event, EventType
 from residency.settings import Settings, SettingsError
 
@@ -36,6 +47,35 @@ MAX_EVENTS_PER_PASS = 1000
 # further change extends the wait by COALESCE_QUIET_S, never past COALESCE_MAX_S in all.
 COALESCE_QUIET_S = 0.1
 COALESCE_MAX_S = 0.5
+#: The lease's heartbeat: three renewals per TTL, so one slow renewal never lets it lapse.
+RENEW_EVERY_S = keys.LEADER_TTL_MS / 1000 / 3
+#: How often a standby tries to take a free lease: the takeover's margin over the TTL.
+STANDBY_POLL_S = 0.25
+
+
+class _SeedClient:
+    """What seeding the registry and policies needs of a client: reads go to Redis, writes into
+    batches fenced by the leader's lease (the seeding code queues its writes on ``pipeline()``).
+    Any other command is an AttributeError, so no write can slip past the fence unnoticed."""
+
+    def __init__(self, r: redis.Redis, fenced: Callable[[], Fenced]) -> None:
+        self._r = r
+        self._fenced = fenced
+
+    def hgetall(self, name: str) -> object:
+        return self._r.hgetall(name)
+
+    def hget(self, name: str, key: str) -> object:
+        return self._r.hget(name, key)
+
+    def scan_iter(self, **kwargs: object) -> object:
+        return self._r.scan_iter(**kwargs)  # type: ignore[arg-type]
+
+    def pipeline(self, transaction: bool = True) -> Fenced:
+        return self._fenced()
+
+    def sadd(self, name: str, *values: object) -> int:
+        return int(self._fenced().sadd(name, *values).execute()[0])
 
 
 class Coordinator:
@@ -54,9 +94,19 @@ class Coordinator:
         self.scripts = Scripts(r)
         self.rq = retry.connection(r)
         self.config = ConfigStore(box, r)
-        self.lease_token = uuid.uuid4().hex
-        self.effects = Effects(r, self.scripts, self.lease_token)
+        self.lease_token = uuid.uuid4().hex  # a fresh one each term (try_lead)
+        self.effects = Effects(r, self.scripts, self.lease_token, box.models_dir)
         self.is_leader = False
+        self.epoch = 0  # of the current (or last) term
+        self.leader_since: float | None = None
+        # /health names the leader by host and pid (two coordinators in one process — tests —
+        # are told apart by the epoch).
+        self.ident = f"{socket.gethostname()}:{os.getpid()}"
+        # A lease token names its holder's host, pid namespace and pid (``uuid@host/ns/pid``):
+        # a standby that shares both with a holder that has died (SIGKILL, out of memory) takes
+        # over at once instead of waiting out the TTL. Elsewhere the TTL is the only signal.
+        self._where = f"{socket.gethostname()}/{_pid_namespace()}"
+        self._lease_lock = threading.Lock()
         self.settings: Settings = box.base_settings()
         self.passes = 0
         self._starting = False
@@ -65,29 +115,59 @@ class Coordinator:
         self._unresolved: tuple[tuple[str, str], ...] = ()
         self._last_record: str | None = None
         self._last_publish = 0.0
+        self._settings_error = ""  # the last settings problem logged
         self._deferred = True  # until a pass says otherwise (a job may survive a restart)
         self.waker: Waker | None = None
 
     # -- leadership -------------------------------------------------------------------------
 
     def try_lead(self) -> bool:
-        if self.r.set(keys.leader(), self.lease_token, nx=True, px=keys.LEADER_TTL_MS):
-            epoch = self.r.incr(keys.leader_epoch())
+        """Take the lease if it is free, for a new term with a token of its own (so a pass left
+        over from an earlier term of this same coordinator is refused too)."""
+        token = f"{uuid.uuid4().hex}@{self._where}/{os.getpid()}"
+        epoch = self.scripts.acquire(token)
+        if not epoch:
+            return self.is_leader
+        with self._lease_lock:
+            self.lease_token = token
+            self.effects.lease_token = token
+            self.epoch = epoch
+            self.leader_since = self.clock()
             self.is_leader = True
-            log.info("coordinator %s is leader (epoch %s)", self.lease_token[:8], epoch)
+        log.info("coordinator %s is leader (epoch %s)", self.ident, epoch)
+        try:
             self.on_lead()
+        except NotLeader:
+            self.stand_by(token, "lost the leader lease while taking the lead")
         return self.is_leader
+
+    def release_dead_holder(self) -> None:
+        """Free the lease of a holder that provably died (see ``holder_dead``); the release is a
+        compare-and-delete on its token, so a holder that renewed meanwhile keeps it."""
+        holder = cast(str | None, self.r.get(keys.leader()))
+        if (
+            holder
+            and holder_dead(holder, self._where, _alive)
+            and self.scripts.lease(holder, "release")
+        ):
+            log.warning("the leader (%s) has died; taking over now", holder.partition("@")[2])
+
+    def fenced(self) -> Fenced:
+        """A batch of plain writes, applied only while this term's lease holds."""
+        return self.scripts.fenced(self.lease_token)
 
     def on_lead(self) -> None:
         # The file's models and policies are (re)seeded by whoever leads, so every role sees
-        # one registry.
+        # one registry; the seeding's writes are fenced like every other leader write.
         fresh = not self.r.exists(keys.generation())
         base = self.box.base_settings()
-        registry.seed_from_file(self.r, base.models)
-        policy_store.seed_from_file(self.r, base.policies)
+        seed = cast(redis.Redis, _SeedClient(self.r, self.fenced))
+        registry.seed_from_file(seed, base.models)
+        policy_store.seed_from_file(seed, base.policies)
+        snapshot.adopt_model_keys(seed)
         self._starting = True
         self._fresh_data = fresh
-        self.r.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+        self.fenced().rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict())).execute()
 
     def tell_autosize(self, a: Autosize) -> None:
         """Say what autosize does once, when it becomes true: an INFO line at start, a WARNING
@@ -118,25 +198,52 @@ class Coordinator:
             if int(str(stored or 0)) < CONFIG_VERSION:
                 if a.risky and not self._fresh_data:
                     log.warning("upgrade notice: %s", a.advisory())
-                self.r.hset(keys.autosize_state(), "config_version", CONFIG_VERSION)
+                self.fenced().hset(
+                    keys.autosize_state(), "config_version", CONFIG_VERSION
+                ).execute()
             self._risky = self.r.hget(keys.autosize_state(), "risky") == "1"
         if a.risky != self._risky:
             if a.risky:
                 log.warning("%s", a.advisory())
             else:
                 log.info("LLM pool back within max_loaded_models (or auto_evict is on)")
-            self.r.hset(keys.autosize_state(), "risky", "1" if a.risky else "0")
+            risky = "1" if a.risky else "0"
+            self.fenced().hset(keys.autosize_state(), "risky", risky).execute()
             self._risky = a.risky
 
     def renew(self) -> None:
-        if self.is_leader and not self.scripts.lease(self.lease_token, "renew"):
-            log.error("lost the leader lease; standing by")
+        with self._lease_lock:
+            token, leading = self.lease_token, self.is_leader
+        if leading and not self.scripts.lease(token, "renew"):
+            self.stand_by(token, "lost the leader lease")
+
+    def stand_by(self, token: str, why: str) -> None:
+        """Stop leading at once — unless ``token``'s term is already over and a newer one of
+        ours began (a renewal that failed for the old term must not end the new one)."""
+        with self._lease_lock:
+            if token != self.lease_token or not self.is_leader:
+                return
             self.is_leader = False
+        log.error("%s (epoch %s); standing by", why, self.epoch)
+
+    def keep_lease(self) -> None:
+        """The lease's heartbeat, on a thread of its own: renewed every RENEW_EVERY_S whatever
+        the loop is doing, and a lost lease is noticed within that."""
+
+        def tick() -> None:
+            if not self.stop.wait(RENEW_EVERY_S):
+                self.renew()
+
+        run_until_stopped(self.stop, tick, log, "leader lease")
 
     def resign(self) -> None:
         if self.is_leader:
             self.scripts.lease(self.lease_token, "release")
             self.is_leader = False
+
+    def leader_record(self) -> dict[str, object]:
+        """Who leads, for /health: ``id`` host:pid, ``since`` (epoch seconds), ``epoch``."""
+        return {"id": self.ident, "since": self.leader_since, "epoch": self.epoch}
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -147,10 +254,13 @@ class Coordinator:
             target=retry.run_worker, args=(self.rq, self.stop), name="retry-worker", daemon=True
         )
         retries.start()
+        lease = threading.Thread(target=self.keep_lease, name="leader-lease", daemon=True)
+        lease.start()
         self.waker = Waker(self.r, self.stop)
         try:
             run_until_stopped(self.stop, self.iteration, log, "coordinator pass")
         finally:
+            lease.join(timeout=10)
             with contextlib.suppress(redis.RedisError):
                 self.resign()
             retries.join(timeout=10)
@@ -158,11 +268,17 @@ class Coordinator:
             log.info("coordinator stopped")
 
     def iteration(self) -> None:
-        if not self.is_leader and not self.try_lead():
-            self.stop.wait(1.0)  # standby: the lease is someone else's
+        if not self.is_leader:
+            self.release_dead_holder()
+            if not self.try_lead():
+                self.stop.wait(STANDBY_POLL_S)  # standby: the lease is someone else's
+                return
+        token = self.lease_token
+        try:
+            events = self.collect_events(EVENT_WAIT_S)
+        except NotLeader:
+            self.stand_by(token, "lost the leader lease while waiting for events")
             return
-        events = self.collect_events(EVENT_WAIT_S)
-        self.renew()
         if self.is_leader:
             self.step(events)
 
@@ -170,26 +286,27 @@ class Coordinator:
         """Block for the first event (bounded), then take every event already queued, and while
         the pass would only handle admin changes, those that follow within a quiet spell
         (``coalesce_wait``): a burst of changes costs one pass."""
+        # The blocking read only waits for the inbox to be non-empty (BLMOVE of its last event
+        # onto itself changes nothing); the events are then taken by a fenced script, so a
+        # deposed leader never takes the events the new leader must see (raises NotLeader).
         # A stop unblocks these reads at once (see Waker).
+        inbox = keys.events()
         with self.waker.reading() if self.waker else contextlib.nullcontext(self.r) as blocking:
-            first = blocking.blpop([keys.events()], timeout=wait_s)
-            if first is None:
+            if _blmove(blocking, inbox, wait_s) is None:
                 return []
-            events = self._take(str(first[1]))
+            events = self._take()
             started = time.monotonic()
             while (wait := coalesce_wait(events, time.monotonic() - started)) > 0:
-                nxt = blocking.blpop([keys.events()], timeout=wait)
+                nxt = _blmove(blocking, inbox, wait)
                 if nxt is None or self.stop.is_set():
                     break
-                events += self._take(str(nxt[1]))
+                events += self._take()
         return events
 
-    def _take(self, first: str) -> list[Event]:
-        """``first`` and every event queued behind it, parsed (a malformed one is dropped)."""
-        raws = [first]
-        more = cast(list[str] | None, self.r.lpop(keys.events(), MAX_EVENTS_PER_PASS))
-        if more:
-            raws += more
+    def _take(self) -> list[Event]:
+        """Every queued event (up to MAX_EVENTS_PER_PASS), parsed (a malformed one is dropped)."""
+        taken = self.fenced().lpop(keys.events(), MAX_EVENTS_PER_PASS).execute()[0]
+        raws = cast(list[str] | None, taken) or []
         events = []
         for raw in raws:
             try:
@@ -202,20 +319,37 @@ class Coordinator:
         try:
             self.settings, _ = self.config.load()
         except SettingsError as e:
-            # Keep enforcing the last good settings rather than none.
-            log.error("%s; keeping the previous settings", e)
+            # Keep enforcing the last good settings rather than none; said once per problem,
+            # not on every pass.
+            if str(e) != self._settings_error:
+                log.error("%s; keeping the previous settings", e)
+            self._settings_error = str(e)
+        else:
+            if self._settings_error:
+                log.info("settings valid again")
+            self._settings_error = ""
         return self.settings
 
     def step(self, events: list[Event] | None = None) -> list[Action]:
+        """One enforcement pass (``_pass``). A pass of a leader that lost its lease stops at its
+        first write, which is refused (NotLeader): it applies and publishes nothing, and the
+        coordinator stands by."""
+        token = self.lease_token
+        try:
+            return self._pass(events or [])
+        except NotLeader as e:
+            self.stand_by(token, f"lost the leader lease during a pass ({e})")
+            return []
+
+    def _pass(self, events: list[Event]) -> list[Action]:
         """One enforcement pass, stamped with a fresh generation. Every trigger queued before it
         started (config, policy, load commit, busy -> idle, retry) is handled by this one pass;
         one that arrives while it runs is still in the inbox, so the loop runs again at once —
         a burst of changes costs a few passes, and the last pass sees the last change. Re-plans
         until nothing changes (bounded), so a pool shrinks all the way in one pass and a freed
         slot's load starts in the same pass."""
-        events = events or []
         trigger = _trigger(events)
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.fenced()
         pipe.incr(keys.generation())
         metrics.inc(pipe, metrics.PASSES_TOTAL, {"trigger": trigger})
         gen = int(pipe.execute()[0])
@@ -223,12 +357,8 @@ class Coordinator:
         self.effects.pass_number = self.passes
         s = self.refresh_settings()
         for ev in events:
-            if ev.type is EventType.LOAD_FAILED:
-                reason = str(ev.data.get("error", "unknown error"))
-                n = work.fail_queued(self.r, ev.model, load_failed(ev.model, reason))
-                log.error(
-                    "load of %s failed (%s); answered %d queued request(s)", ev.model, reason, n
-                )
+            if ev.type in (EventType.LOAD_FAILED, EventType.GONE):
+                failures.on_event(self.r, ev, self.clock(), lease=self.lease_token)
             elif ev.type is EventType.READY and ev.data.get("recheck"):
                 log.info("%s loaded after the limits changed: re-checking the pool", ev.model)
         actions: list[Action] = []
@@ -236,10 +366,11 @@ class Coordinator:
             rd = snapshot.read(self.r, s, self.clock())
             if i == 0 and not self.sync_limits(gen, rd):
                 return []  # not the leader any more: a deposed pass applies nothing
-            clear_stale_explicit(self.r, rd.snap)
+            clear_stale_explicit(self.scripts, rd.snap, lease=self.lease_token)
             actions = decide(rd.snap)
             if not self.effects.apply(actions, rd.snap, rd.model_hashes, s):
                 break
+        prune.forget(self.r, forgettable(rd.snap), lease=self.lease_token)
         self.effects.watch_idle(waits_for_idle(actions, rd.snap))
         blocked = {a.type: a.over for a in actions if isinstance(a, Blocked)}
         self.tell_autosize(rd.autosize)
@@ -258,10 +389,10 @@ class Coordinator:
     def sync_limits(self, gen: int, rd: snapshot.Read) -> bool:
         """Record the limits this pass enforces (stamped with ``gen`` when they changed); loads
         started by this pass carry that generation, and their commit re-checks it."""
-        res = self.scripts.publish_limits(gen, rd.snap.limits, lease=self.lease_token)
+        token = self.lease_token
+        res = self.scripts.publish_limits(gen, rd.snap.limits, lease=token)
         if res == "not_leader":
-            log.error("lost the leader lease during a pass; standing by")
-            self.is_leader = False
+            self.stand_by(token, "lost the leader lease during a pass")
             return False
         if res != "stale":
             self.effects.limits_generation = int(res)
@@ -272,14 +403,16 @@ class Coordinator:
         on the rq retry queue, besides being re-armed by their busy -> idle edge; the job goes
         as soon as a pass finds every pool within its limit."""
         if blocked:
-            retry.defer(self.rq, blocked)
-        elif self._deferred and retry.settle(self.rq):
+            retry.defer(self.rq, blocked, lease=self.lease_token)
+        elif self._deferred and retry.settle(self.rq, lease=self.lease_token):
             log.info("deferred shrink done: every pool is within its limit")
         self._deferred = bool(blocked)
 
     def publish(self, gen: int, record: dict[str, object], *, force: bool = False) -> None:
         """Publish the pass's record under its generation. A pass with no trigger and nothing
-        new publishes at most every PUBLISH_EVERY_S (a heartbeat of the record)."""
+        new publishes at most every PUBLISH_EVERY_S (a heartbeat of the record). The record
+        names the leader that publishes it."""
+        record["leader"] = self.leader_record()
         body = json.dumps(
             {k: v for k, v in record.items() if k not in ("published_at", "enforcement")},
             sort_keys=True,
@@ -294,6 +427,46 @@ class Coordinator:
             self._last_publish = now
         else:
             log.info("record of pass %d not published: %s", gen, res)
+
+
+def holder_dead(token: str, where: str, alive: Callable[[int], bool]) -> bool:
+    """Whether the lease ``token`` belongs to a process of this host and pid namespace
+    (``where``) that is no longer alive. Tokens of other hosts or namespaces, or of an unknown
+    form, are never judged dead: only their TTL ends them."""
+    _, _, place = token.partition("@")
+    holder_where, _, pid = place.rpartition("/")
+    if not holder_where or holder_where != where or not pid.isdigit():
+        return False
+    return not alive(int(pid))
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "unknown"
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed leader stays a zombie until its
+    supervisor reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _blmove(r: redis.Redis, inbox: str, timeout: float) -> object:
+    """Wait up to ``timeout`` seconds (fractional: Redis takes them) for the inbox to hold an
+    event, without taking it: its last event moves onto its own tail."""
+    return r.execute_command("BLMOVE", inbox, inbox, "RIGHT", "RIGHT", timeout)
 
 
 def coalesce_wait(events: list[Event], waited: float) -> float:

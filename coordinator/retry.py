@@ -14,6 +14,14 @@ every pool within its limit.
 
 The rq worker runs in a thread of the coordinator process, in burst mode, only when a job is
 queued or due (rq's scheduler, in burst mode, only moves jobs that are already due).
+
+Jobs are stored as JSON (rq's ``JSONSerializer``) and name their function by import path: rq's
+default, pickle, would run whatever code a job planted in Redis says when the worker loads it.
+A job that is not JSON is never loaded: it fails, and is dropped from the queue.
+
+The leader's writes here (queueing and dropping the job) commit in one MULTI under a WATCH of
+the leader lease, only while its token still holds it (``_fenced``): a deposed leader neither
+defers nor settles.
 """
 
 from __future__ import annotations
@@ -22,18 +30,22 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 from rq import Queue, Retry, SimpleWorker, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
 from residency import keys
 from residency.loops import run_until_stopped
+from residency.lua import NotLeader
 from residency.messages import Event, EventType
 
 log = logging.getLogger("residency.coordinator")
@@ -45,6 +57,10 @@ BACKOFF_S = (1, 2, 4, 8, 16, 30)
 MAX_ATTEMPTS = 100
 TICK_S = 0.25
 PENDING = (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.STARTED, JobStatus.DEFERRED)
+#: The job's function, by import path (a JSON job names it; nothing is pickled).
+JOB_FUNC = "coordinator.retry.deferred_shrink"
+#: Attempts at a fenced write that our own lease renewal (a write to the watched key) aborted.
+FENCE_ATTEMPTS = 5
 
 
 class ShrinkStillDeferred(RuntimeError):
@@ -72,8 +88,9 @@ def deferred_shrink() -> str:
 
 
 def connection(r: redis.Redis) -> redis.Redis:
-    """A client for rq on the same server as ``r``: rq stores pickled bytes, so it needs a
-    connection that does not decode replies (residency's clients do)."""
+    """A client for rq on the same server as ``r``: rq stores compressed bytes (its job data is
+    zlib'd JSON here), so it needs a connection that does not decode replies (residency's
+    clients do)."""
     pool = r.connection_pool
     kwargs = {**pool.connection_kwargs, "decode_responses": False}
     return redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **kwargs))
@@ -81,43 +98,71 @@ def connection(r: redis.Redis) -> redis.Redis:
 
 def queue(r: redis.Redis) -> Queue:
     """The retry queue; ``r`` must be a :func:`connection` client."""
-    return Queue(keys.RETRY_QUEUE, connection=r)
+    return Queue(keys.RETRY_QUEUE, connection=r, serializer=JSONSerializer)
 
 
 def _job(r: redis.Redis) -> Job | None:
     try:
-        return Job.fetch(keys.SHRINK_JOB_ID, connection=r)
+        return Job.fetch(keys.SHRINK_JOB_ID, connection=r, serializer=JSONSerializer)
     except NoSuchJobError:
         return None
 
 
-def defer(r: redis.Redis, blocked: dict[str, int]) -> bool:
-    """Make sure a deferred-shrink job is pending; True when this call created it."""
+def _fenced(r: redis.Redis, lease: str, write: Callable[[Pipeline], object]) -> None:
+    """Commit the writes ``write`` queues on a pipeline in one MULTI, only while ``lease`` holds
+    the leader lease: WATCH the lease, check its token, queue, EXEC. A change of the lease in
+    between (another leader, or our own renewal touching the key) aborts the EXEC; an abort is
+    retried after a fresh check. Raises NotLeader when the lease is not ours."""
+    token = lease.encode()
+    for _ in range(FENCE_ATTEMPTS):
+        with r.pipeline() as pipe:
+            try:
+                pipe.watch(keys.leader())
+                if pipe.get(keys.leader()) != token:
+                    raise NotLeader("retry queue write refused: the lease is not ours")
+                pipe.multi()
+                write(pipe)
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue
+    raise redis.WatchError(f"the leader lease kept changing for {FENCE_ATTEMPTS} attempts")
+
+
+def defer(r: redis.Redis, blocked: dict[str, int], *, lease: str) -> bool:
+    """Make sure a deferred-shrink job is pending; True when this call created it. Fenced by
+    the leader's ``lease``."""
     job = _job(r)
     if job is not None and job.get_status(refresh=True) in PENDING:
         return False
-    if job is not None:
-        job.delete()  # a finished or given-up attempt of an earlier deferral
-    queue(r).enqueue_in(
-        timedelta(seconds=BACKOFF_S[0]),
-        deferred_shrink,
-        job_id=keys.SHRINK_JOB_ID,
-        retry=Retry(max=MAX_ATTEMPTS, interval=list(BACKOFF_S)),
-        description=f"deferred shrink {blocked}",
-        failure_ttl=3600,
-        result_ttl=600,
-    )
+
+    def write(pipe: Pipeline) -> None:
+        if job is not None:
+            job.delete(pipeline=pipe)  # a finished or given-up attempt of an earlier deferral
+        queue(r).enqueue_in(
+            timedelta(seconds=BACKOFF_S[0]),
+            JOB_FUNC,
+            job_id=keys.SHRINK_JOB_ID,
+            retry=Retry(max=MAX_ATTEMPTS, interval=list(BACKOFF_S)),
+            description=f"deferred shrink {blocked}",
+            failure_ttl=3600,
+            result_ttl=600,
+            pipeline=pipe,
+        )
+
+    _fenced(r, lease, write)
     log.info("shrink deferred (%s over the limit, all busy or pinned): retry job queued", blocked)
     return True
 
 
-def settle(r: redis.Redis) -> bool:
-    """The pools are within their limits: drop the pending job. True when there was one."""
+def settle(r: redis.Redis, *, lease: str) -> bool:
+    """The pools are within their limits: drop the pending job. True when there was one.
+    Fenced by the leader's ``lease``."""
     job = _job(r)
     if job is None:
         return False
     pending = job.get_status(refresh=True) in PENDING
-    job.delete()
+    _fenced(r, lease, lambda pipe: job.delete(pipeline=pipe))
     return pending
 
 
@@ -161,6 +206,8 @@ def run_worker(r: redis.Redis, stop: threading.Event) -> None:
 
     def tick() -> None:
         if not stop.wait(TICK_S) and _has_work(q):
-            _ThreadWorker([q], connection=r).work(burst=True, with_scheduler=True)
+            _ThreadWorker([q], connection=r, serializer=JSONSerializer).work(
+                burst=True, with_scheduler=True
+            )
 
     run_until_stopped(stop, tick, log, "retry worker")

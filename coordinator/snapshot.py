@@ -9,17 +9,62 @@ from typing import Any, cast
 import redis
 
 from coordinator.autosize import Autosize, autosize
-from coordinator.decide import HELPER, STANDARD, ModelView, Snapshot, WorkerView
+from coordinator.decide import (
+    HELPER,
+    STANDARD,
+    ModelView,
+    Snapshot,
+    WorkerView,
+    backoff_until,
+)
 from residency import __version__, keys, policy_store, registry, states
 from residency.messages import Request
 from residency.policies import candidate_floor, helper_models
 from residency.settings import Settings
 
 TYPES = ("llm", "embedding")
+PER_MODEL = 5  # replies per model in the pool read
 
 
 def _f(v: str | None) -> float | None:
     return float(v) if v not in (None, "") else None
+
+
+def _failures(
+    raw: list[tuple[str, float]], h: dict[str, str], now: float
+) -> tuple[tuple[float, ...], str | None]:
+    """(failure times oldest first, the last cause) from a ``load_failures`` ZRANGE WITHSCORES
+    and the model hash ``h``. A model ``failed`` under a token the window does not hold yet
+    counts that failure too (at ``now``): its state is written before its failure event reaches
+    the coordinator, and a pass in between must not load it once more than the limit allows."""
+    last: str | None = None
+    tokens = set()
+    for member, _ in raw:  # ascending by time: the last one read is the latest cause
+        try:
+            entry = json.loads(member)
+            last = str(entry.get("error") or "") or last
+            tokens.add(entry.get("token"))
+        except (ValueError, AttributeError):
+            continue
+    times = tuple(float(t) for _, t in raw)
+    token = h.get("token")
+    if h.get("state") == states.ModelState.FAILED.value and token and token not in tokens:
+        times = (*times, now)
+        last = h.get("error") or last
+    return times, last
+
+
+def _children(w: dict[str, str]) -> tuple[dict[str, str] | None, float | None]:
+    """The agent's report of its model processes; (None, None) if absent or unreadable (an
+    agent that does not report them: nothing is reaped on its word)."""
+    try:
+        children = json.loads(w["children"])
+        at = float(w["children_at"])
+    except (KeyError, ValueError, TypeError):
+        return None, None
+    if not isinstance(children, dict):
+        return None, None
+    return {str(k): str(v) for k, v in children.items()}, at
 
 
 @dataclass(frozen=True)
@@ -29,6 +74,16 @@ class Read:
     worker_hashes: dict[str, dict[str, str]]
     autosize: Autosize  # the floor and per-policy counts, from the same read as the pool
     helpers: tuple[str, ...] = ()  # the routing-helper set, from that same read
+
+
+def adopt_model_keys(r: redis.Redis) -> int:
+    """Add every model hash to the set of models with state: a one-off sweep when a coordinator
+    becomes leader, for data written before that set existed (a pass itself never scans)."""
+    names = [
+        str(k).removeprefix(keys.model(""))
+        for k in r.scan_iter(match=keys.model_pattern(), count=1000)
+    ]
+    return int(r.sadd(keys.models_with_state(), *names)) if names else 0
 
 
 def read(r: redis.Redis, s: Settings, now: float) -> Read:
@@ -41,7 +96,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     pipe.hgetall(keys.policies())
     pipe.hgetall(keys.explicit())
     pipe.smembers(keys.workers())
-    raw_registry, raw_policies, explicit, members = pipe.execute()
+    pipe.smembers(keys.models_with_state())
+    raw_registry, raw_policies, explicit, members, with_state = pipe.execute()
     entries = {n: registry.Entry.loads(n, v) for n, v in raw_registry.items()}
     pols = policy_store.parsed(
         {n: policy_store.PolicyEntry.loads(n, v) for n, v in raw_policies.items()}
@@ -52,11 +108,9 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     auto = autosize(s, floor)
     # Remote models are forwarded by web and never resident: they have no place in the pool.
     entries = {n: e for n, e in entries.items() if not e.spec.remote}
-    names = set(entries)
-    names.update(
-        str(k).removeprefix(keys.model(""))
-        for k in r.scan_iter(match=keys.model_pattern(), count=1000)
-    )
+    # Residents of models deleted from the registry are found through the set of models with
+    # state, never by scanning the keyspace.
+    names = set(entries) | {str(n) for n in with_state}
     explicit = cast(dict[str, str], explicit)
     hosts = sorted(cast(set[str], members))
     ordered = sorted(names)
@@ -67,6 +121,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         pipe.llen(keys.queue(n))
         pipe.llen(keys.processing(n))
         pipe.lindex(keys.queue(n), -1)
+        pipe.zrange(keys.load_failures(n), 0, -1, withscores=True)
     for h in hosts:
         pipe.hgetall(keys.worker(h))
     res = pipe.execute()
@@ -74,7 +129,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     models: dict[str, ModelView] = {}
     raw: dict[str, dict[str, str]] = {}
     for i, n in enumerate(ordered):
-        h, queued, in_flight, oldest = res[4 * i : 4 * i + 4]
+        h, queued, in_flight, oldest, failed = res[PER_MODEL * i : PER_MODEL * (i + 1)]
+        failures, last_error = _failures(failed, h, now)
         e = entries.get(n)
         raw[n] = h
         models[n] = ModelView(
@@ -95,17 +151,24 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             pool=HELPER if n in helpers else STANDARD,
             load_seconds=_f(h.get("load_seconds")),
             loaded_pool=h.get("pool") or None,
+            loaded_at=_f(h.get("loaded_at")),
+            draining_since=_f(h.get("draining_since")),
+            failures=failures,
+            last_error=last_error,
         )
     workers: dict[str, WorkerView] = {}
     worker_hashes: dict[str, dict[str, str]] = {}
     for j, host in enumerate(hosts):
-        w = res[4 * len(ordered) + j]
+        w = res[PER_MODEL * len(ordered) + j]
         worker_hashes[host] = w
+        children, children_at = _children(w)
         workers[host] = WorkerView(
             host=host,
             devices=tuple(json.loads(w.get("devices", "[]"))),
             alive=bool(w),
             memory={k: float(v) for k, v in json.loads(w.get("memory", "{}")).items()},
+            children=children,
+            children_at=children_at,
         )
     # Rule 3: autosize raises the LLM limit only; other types keep the configured one.
     limits = {t: auto.effective if t == "llm" else s.pool.max_loaded_models for t in TYPES}
@@ -129,6 +192,16 @@ def health_record(
     models = []
     for m in sorted(snap.models.values(), key=lambda m: m.name):
         h = raw.get(m.name, {})
+        until = None if m.occupying else backoff_until(m, snap)
+        backoff = (
+            None
+            if until is None
+            else {
+                "failures": sum(1 for t in m.failures if snap.now - t < snap.failure_window_s),
+                "until": until,
+                "last_error": m.last_error,
+            }
+        )
         models.append(
             {
                 "name": m.name,
@@ -146,6 +219,7 @@ def health_record(
                 "last_used": m.last_used or None,
                 "load_seconds": _f(h.get("load_seconds")),
                 "error": h.get("error") or None,
+                "backoff": backoff,
             }
         )
     workers = []

@@ -119,8 +119,12 @@ class ConfigStore:
         self.r = r
 
     def admin_layer(self) -> dict[str, dict[str, Any]]:
+        """Admin overrides of live and next-load keys. A value stored for a restart-only key (the
+        API refuses them; an older version accepted ``server.model_dirs`` and
+        ``debug.fault_injection``) is ignored, so Redis access cannot widen the model
+        directories or switch fault injection on."""
         raw = cast(dict[str, str], self.r.hgetall(keys.config_admin()))
-        flat = {k: json.loads(v) for k, v in raw.items()}
+        flat = {k: json.loads(v) for k, v in raw.items() if not settings.is_restart_only(k)}
         return settings.unflatten(flat)
 
     def load(self) -> tuple[settings.Settings, dict[str, str]]:
@@ -134,6 +138,9 @@ class ConfigStore:
 
     def generation(self) -> int:
         return int(self.r.get(keys.generation()) or 0)
+
+    def config_generation(self) -> int:
+        return int(self.r.get(keys.config_generation()) or 0)
 
     def apply_patch(self, flat: Mapping[str, Any], actor: str) -> int:
         """Persist validated changes (see ``commit_change``)."""
@@ -160,10 +167,11 @@ def commit_change(
     *,
     absent: tuple[str, str] | None = None,
 ) -> int:
-    """Every admin change: apply ``op``, bump the generation, write the audit record and tell
-    the coordinator — one MULTI, so a change and its event are never seen apart. Returns the
-    new generation. ``absent = (hash key, field)`` must not exist when the change commits
-    (checked under WATCH, so two writers racing for one name cannot both win)."""
+    """Every admin change: apply ``op``, bump the generation and the config generation, write
+    the audit record and tell the coordinator — one MULTI, so a change and its event are never
+    seen apart. Returns the new (pass) generation. ``absent = (hash key, field)`` must not exist
+    when the change commits (checked under WATCH, so two writers racing for one name cannot
+    both win)."""
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -174,6 +182,7 @@ def commit_change(
                 pipe.multi()
                 op(pipe)
                 pipe.incr(keys.generation())
+                pipe.incr(keys.config_generation())
                 audit(pipe, actor, action, detail)
                 pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
                 return int(pipe.execute()[1])

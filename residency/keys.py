@@ -19,6 +19,14 @@ def generation() -> str:
     return f"{PREFIX}gen"
 
 
+def config_generation() -> str:
+    """string counter (INCR), no TTL. Bumped by every admin config, registry, policy or pin change
+    (``box.commit_change``, in the same MULTI as ``generation()``) and never by the coordinator's
+    passes: web processes reload their cached settings only when it moves (or the config file
+    changes on disk), not twice a second."""
+    return f"{PREFIX}config:gen"
+
+
 def config_admin() -> str:
     """hash ``"section.key" -> JSON value``, no TTL. Admin overrides of settings; written only by
     the admin API, read by every role when it (re)computes effective settings."""
@@ -60,9 +68,27 @@ def model(name: str) -> str:
 
 
 def model_pattern() -> str:
-    """SCAN pattern matching every ``model(name)`` key (the coordinator finds residents of
-    models that were deleted from the registry)."""
+    """SCAN pattern matching every ``model(name)`` key. Only for one-off sweeps (adopting the
+    model hashes of a data dir written before ``models_with_state`` existed); the coordinator's
+    pass reads ``models_with_state`` instead of scanning."""
     return f"{PREFIX}model:*"
+
+
+def models_with_state() -> str:
+    """set of model names that may have a ``model(name)`` hash, no TTL. Added to by
+    ``start_load.lua`` (the only script that creates a model's state) in the same step; the
+    coordinator reads it each pass (so a pass never scans the keyspace, yet sees residents of
+    models deleted from the registry) and removes a name when it deletes that model's keys."""
+    return f"{PREFIX}models"
+
+
+def load_failures(name: str) -> str:
+    """sorted set of one model's recent failures (failed loads, and crashes of a ready
+    process), member ``{"token", "error"}`` JSON (one per load token), score = time;
+    TTL ``LOAD_FAILURE_WINDOW_S`` renewed on each failure, older members pruned on each write.
+    Written only by the coordinator leader; deleted by an explicit admin load (which clears the
+    backoff) and with a deleted model's keys."""
+    return f"{PREFIX}load-failures:{name}"
 
 
 def explicit() -> str:
@@ -118,6 +144,13 @@ def agent_commands(host: str) -> str:
     return f"{PREFIX}agent:{host}:cmds"
 
 
+def agent_taken(host: str) -> str:
+    """list of command JSON the agent on ``host`` took from ``agent_commands(host)`` (BLMOVE) and
+    has not finished acting on: acknowledged (LREM) once done, moved back to the command list by
+    the agent when it restarts, so a command is never lost to a crash in between."""
+    return f"{PREFIX}agent:{host}:taken"
+
+
 def standby(host: str, ident: str) -> str:
     """list holding at most one load command for the warm standby process ``ident`` of the agent
     on ``host`` (a process that has already started and imported llama.cpp, waiting for a
@@ -127,23 +160,31 @@ def standby(host: str, ident: str) -> str:
 
 def worker(host: str) -> str:
     """hash, TTL ``WORKER_TTL_S`` renewed by the agent's heartbeat: devices, memory, pid,
-    last_heartbeat. Its absence means the host is gone."""
+    last_heartbeat, ``children`` (JSON {model: load token} of the model processes it runs) and
+    ``children_at`` (host time at which that list was read; the coordinator reaps a ready or
+    draining model committed before it whose token is missing). Its absence means the host is
+    gone."""
     return f"{PREFIX}worker:{host}"
 
 
 def workers() -> str:
-    """set of host names that ever registered, no TTL. Written by the agent; the coordinator
-    removes a host once it has reaped its models."""
+    """set of host names that registered, no TTL. Written by the agent (every heartbeat); the
+    coordinator removes a host (with its command lists) once its record has expired and no
+    model holds a slot on it (``forget_host.lua``)."""
     return f"{PREFIX}workers"
 
 
 def leader() -> str:
-    """string lease ``token``, PX ``LEADER_TTL_MS`` renewed by the coordinator leader."""
+    """string lease ``token`` (a fresh one per leadership term), PX ``LEADER_TTL_MS``. Taken
+    with ``acquire.lua`` (SET NX PX), renewed by the coordinator leader's lease thread
+    (``lease.lua``). Every leader write's script compares it with the writer's token: the
+    fencing check."""
     return f"{PREFIX}leader"
 
 
 def leader_epoch() -> str:
-    """string counter: the fencing token, INCR'd by each coordinator that becomes leader."""
+    """string counter, no TTL: the number of the leadership term, INCR'd by ``acquire.lua`` in
+    the step that takes the lease (shown in ``/health`` as ``leader.epoch``)."""
     return f"{PREFIX}leader:epoch"
 
 
@@ -198,3 +239,6 @@ LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000
 IDLE_WATCH_TTL_S = 30
 CONVERSATION_TTL_S = 3600
+#: The crash-loop window: a model that failed this many times within it fails fast.
+LOAD_FAILURE_WINDOW_S = 900
+LOAD_FAILURE_LIMIT = 3

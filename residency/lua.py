@@ -37,6 +37,103 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class NotLeader(Exception):
+    """A fenced write was refused: the caller's token no longer holds the leader lease (it was
+    paused or partitioned past the lease TTL and another coordinator leads now). Nothing of the
+    refused write was applied."""
+
+
+def _arg(v: Any) -> str:
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, bool):
+        raise TypeError("a fenced write takes no bool (Redis has none): pass a string")
+    return str(v)
+
+
+class Fenced:
+    """A batch of coordinator-leader writes, applied by one script only while ``lease`` still
+    holds the leader lease (``fenced.lua``); ``execute`` raises :class:`NotLeader` otherwise.
+
+    Pipeline-shaped (the same method names and arguments as redis-py's, for the commands the
+    leader needs), so helpers that queue on a pipeline — ``metrics.inc``, ``metrics.observe`` —
+    queue on it too. Nothing is sent before ``execute``."""
+
+    def __init__(self, scripts: Scripts, lease: str) -> None:
+        self._scripts = scripts
+        self._lease = lease
+        self._keys: list[str] = []
+        self._ops: list[list[Any]] = []
+
+    def _op(self, command: str, key: str, *args: Any) -> Fenced:
+        if key not in self._keys:
+            self._keys.append(key)
+        # Index into the script's KEYS (1-based, KEYS[1] is the lease).
+        self._ops.append([command, self._keys.index(key) + 2, *(_arg(a) for a in args)])
+        return self
+
+    def hset(
+        self,
+        name: str,
+        key: str | None = None,
+        value: Any = None,
+        mapping: dict[str, Any] | None = None,
+    ) -> Fenced:
+        pairs: list[Any] = [] if key is None else [key, value]
+        for k, v in (mapping or {}).items():
+            pairs += [k, v]
+        return self._op("HSET", name, *pairs)
+
+    def hdel(self, name: str, *fields: str) -> Fenced:
+        return self._op("HDEL", name, *fields) if fields else self
+
+    def hincrby(self, name: str, key: str, amount: int = 1) -> Fenced:
+        return self._op("HINCRBY", name, key, amount)
+
+    def hincrbyfloat(self, name: str, key: str, amount: float = 1.0) -> Fenced:
+        return self._op("HINCRBYFLOAT", name, key, amount)
+
+    def incr(self, name: str) -> Fenced:
+        return self._op("INCR", name)
+
+    def set(self, name: str, value: Any, ex: int | None = None) -> Fenced:
+        return self._op("SET", name, value, *(["EX", ex] if ex is not None else []))
+
+    def delete(self, *names: str) -> Fenced:
+        for n in names:
+            self._op("DEL", n)
+        return self
+
+    def rpush(self, name: str, *values: Any) -> Fenced:
+        return self._op("RPUSH", name, *values)
+
+    def lpop(self, name: str, count: int) -> Fenced:
+        return self._op("LPOP", name, count)
+
+    def lrem(self, name: str, count: int, value: Any) -> Fenced:
+        return self._op("LREM", name, count, value)
+
+    def sadd(self, name: str, *values: Any) -> Fenced:
+        return self._op("SADD", name, *values)
+
+    def srem(self, name: str, *values: Any) -> Fenced:
+        return self._op("SREM", name, *values)
+
+    def expire(self, name: str, seconds: int) -> Fenced:
+        return self._op("EXPIRE", name, seconds)
+
+    def execute(self) -> list[Any]:
+        """Apply the batch (all or nothing); the replies in order. Raises NotLeader."""
+        if not self._ops:
+            return []
+        ops, keys_ = self._ops, self._keys
+        self._ops, self._keys = [], []
+        res = self._scripts._run("fenced", [keys.leader(), *keys_], [self._lease, json.dumps(ops)])
+        if res is None:
+            raise NotLeader("the leader lease is not ours: batch refused")
+        return list(res)
+
+
 class Scripts:
     """One instance per Redis client; scripts are sent by SHA and reloaded if Redis lost them."""
 
@@ -57,6 +154,8 @@ class Scripts:
                 "publish_health",
                 "publish_limits",
                 "lease",
+                "acquire",
+                "fenced",
             )
         }
 
@@ -70,12 +169,16 @@ class Scripts:
         *,
         token: str = "",
         fields: dict[str, Any] | None = None,
+        lease: str | None = None,
     ) -> tuple[bool, ModelState]:
-        """Compare-and-set ``model`` to ``dst``; returns (changed, previous-or-current state)."""
-        args: list[Any] = [dst.value, _csv(dst), token]
+        """Compare-and-set ``model`` to ``dst``; returns (changed, previous-or-current state).
+        With ``lease`` (the coordinator's), fenced: raises NotLeader if it is not the lease."""
+        args: list[Any] = [dst.value, _csv(dst), token, lease or ""]
         for k, v in (fields or {}).items():
             args += [k, "" if v is None else v]
-        ok, state = self._run("transition", [keys.model(model)], args)
+        ok, state = self._run("transition", [keys.model(model), keys.leader()], args)
+        if _s(state) == "not_leader":
+            raise NotLeader(f"transition of {model} to {dst.value} refused")
         return bool(ok), ModelState(_s(state))
 
     def start_load(
@@ -93,8 +196,23 @@ class Scripts:
         """(started, previous state — or 'not_leader' when ``lease`` is no longer ours)."""
         ok, state = self._run(
             "start_load",
-            [keys.model(model), keys.agent_commands(host), keys.leader()],
-            [_csv(ModelState.LOADING), token, host, device, now, json.dumps(command), lease, pool],
+            [
+                keys.model(model),
+                keys.agent_commands(host),
+                keys.leader(),
+                keys.models_with_state(),
+            ],
+            [
+                _csv(ModelState.LOADING),
+                token,
+                host,
+                device,
+                now,
+                json.dumps(command),
+                lease,
+                pool,
+                model,
+            ],
         )
         return bool(ok), _s(state)
 
@@ -210,25 +328,60 @@ class Scripts:
             )
         )
 
-    def hand_back(self, model: str, request_id: str, item: str, error: dict[str, Any]) -> str:
-        """'requeued', 'failed' (answered with ``error``) or 'gone'."""
-        return _s(
+    def hand_back(
+        self,
+        model: str,
+        request_id: str,
+        item: str,
+        error: dict[str, Any],
+        *,
+        requeue: str | None = None,
+        refusal: dict[str, Any] | None = None,
+        lease: str | None = None,
+    ) -> str:
+        """'requeued' (as ``requeue``, the item itself by default), 'refused' (no output yet but
+        ``requeue`` is '': answered with ``refusal``), 'failed' (partial output: answered with
+        ``error``) or 'gone'. With ``lease`` (the coordinator's), fenced: raises NotLeader if it
+        is not the lease."""
+        fence = [keys.leader()] if lease else []
+        res = _s(
             self._run(
                 "hand_back",
-                [keys.processing(model), keys.queue(model), keys.reply(request_id)],
-                [item, json.dumps(error), keys.REPLY_TTL_S],
+                [keys.processing(model), keys.queue(model), keys.reply(request_id), *fence],
+                [
+                    item,
+                    json.dumps(error),
+                    keys.REPLY_TTL_S,
+                    item if requeue is None else requeue,
+                    json.dumps(refusal or error),
+                    lease or "",
+                ],
             )
         )
+        if res == "not_leader":
+            raise NotLeader(f"hand-back of a request of {model} refused")
+        return res
 
-    def reject_oldest(self, model: str, request_id: str, item: str, error: dict[str, Any]) -> bool:
-        """Pop ``item`` (the oldest queued request) and answer it with ``error``, atomically."""
-        return bool(
-            self._run(
-                "reject_oldest",
-                [keys.queue(model), keys.reply(request_id)],
-                [item, json.dumps(error), keys.REPLY_TTL_S],
-            )
+    def reject_oldest(
+        self,
+        model: str,
+        request_id: str,
+        item: str,
+        error: dict[str, Any],
+        *,
+        lease: str | None = None,
+    ) -> bool:
+        """Pop ``item`` (the oldest queued request) and answer it with ``error``, atomically.
+        With ``lease`` (the coordinator's), fenced: raises NotLeader if it is not the lease."""
+        fence = [keys.leader()] if lease else []
+        res = self._run(
+            "reject_oldest",
+            [keys.queue(model), keys.reply(request_id), *fence],
+            [item, json.dumps(error), keys.REPLY_TTL_S, lease or ""],
         )
+        if _s(res) == "not_leader":
+            raise NotLeader(f"rejecting a request of {model} refused")
+        return bool(res)
 
     def publish_health(self, generation: int, record: dict[str, Any], *, lease: str) -> str:
         """Publish one pass's record: 'ok', 'stale' (a newer pass published) or 'not_leader'
@@ -255,3 +408,12 @@ class Scripts:
     def lease(self, token: str, op: str, ttl_ms: int = keys.LEADER_TTL_MS) -> bool:
         """Renew (``op='renew'``) or release the leader lease if ``token`` still holds it."""
         return bool(self._run("lease", [keys.leader()], [token, op, ttl_ms]))
+
+    def acquire(self, token: str, ttl_ms: int = keys.LEADER_TTL_MS) -> int:
+        """Take the leader lease for a new term with ``token`` if nobody holds it: the term's
+        epoch, or 0 when the lease is held."""
+        return int(self._run("acquire", [keys.leader(), keys.leader_epoch()], [token, ttl_ms]))
+
+    def fenced(self, lease: str) -> Fenced:
+        """A batch of leader writes that applies only while ``lease`` holds the lease."""
+        return Fenced(self, lease)

@@ -27,6 +27,9 @@ class Request:
     params: dict[str, Any]
     stream: bool
     submitted: float
+    # How many times a model process died (unasked) while running this request: a request is
+    # retried once after such a crash, and refused after the second (it may be what kills it).
+    attempts: int = 0
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -41,6 +44,7 @@ class Request:
             params=d["params"],
             stream=bool(d["stream"]),
             submitted=float(d["submitted"]),
+            attempts=int(d.get("attempts", 0)),
         )
 
 

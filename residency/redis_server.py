@@ -100,6 +100,10 @@ class EmbeddedRedis:
         self.stop()
         raise RedisServerError(f"Redis server did not answer within {timeout}s")
 
+    def exited(self) -> int | None:
+        """The server's exit status if it was started and has exited, else None."""
+        return self.proc.poll() if self.proc is not None else None
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:
             return

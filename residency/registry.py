@@ -18,7 +18,7 @@ import redis
 
 from residency import keys
 from residency.box import commit_change
-from residency.settings import ModelSpec
+from residency.settings import STORED, ModelSpec, Settings
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Entry:
     @classmethod
     def loads(cls, name: str, raw: str) -> Entry:
         d = json.loads(raw)
-        return cls(name, ModelSpec.model_validate(d["spec"]), d["source"])
+        return cls(name, ModelSpec.model_validate(d["spec"], context={STORED: True}), d["source"])
 
     def public(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, **self.spec.model_dump()}
@@ -43,11 +43,13 @@ class PathNotAllowed(ValueError):
     pass
 
 
-def check_path(path: str, allowed_dirs: Iterable[Path]) -> str:
+def check_path(path: str, allowed_dirs: Iterable[str | Path]) -> str:
     """Resolve ``path`` (relative to the first allowed dir) and refuse anything outside the
     allowed dirs after symlinks and ``..`` are resolved."""
     dirs = [Path(d).resolve() for d in allowed_dirs]
     p = Path(path)
+    if not dirs:
+        raise PathNotAllowed(f"path {path!r}: no model directories are configured")
     if not p.is_absolute():
         p = dirs[0] / p
     real = Path(os.path.realpath(p))
@@ -56,6 +58,23 @@ def check_path(path: str, allowed_dirs: Iterable[Path]) -> str:
             return str(real)
     shown = ", ".join(str(d) for d in dirs)
     raise PathNotAllowed(f"path {path!r} is outside the model directories ({shown})")
+
+
+def model_dirs(models_dir: Path | None, s: Settings) -> list[Path]:
+    """The folders admin-registered model files must lie in: the data dir's ``models`` folder
+    and ``server.model_dirs`` (restart-only, so the admin API cannot widen them). Without a
+    data dir only the configured folders count (stricter, never wider)."""
+    configured = [Path(d) for d in s.server.model_dirs]
+    return configured if models_dir is None else [models_dir, *configured]
+
+
+def load_dirs(entry: Entry, models_dir: Path | None, s: Settings) -> list[str] | None:
+    """The folders the model process re-checks the real path of ``entry``'s file against just
+    before it loads (a file swapped for a symlink after registration must not escape them).
+    None for config-file models: their paths are the operator's and were never confined."""
+    if entry.source != "admin" or entry.spec.path is None:
+        return None
+    return [str(d) for d in model_dirs(models_dir, s)]
 
 
 def all_entries(r: redis.Redis) -> dict[str, Entry]:

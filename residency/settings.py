@@ -8,6 +8,7 @@ that ``docs/configuration.md`` mirrors; a test keeps the two equal.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -16,9 +17,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+#: The only environment variables a remote model's ``api_key_env`` may name: the web process
+#: holds other secrets (the admin key, the Redis URL) that must never be sent to a remote.
+REMOTE_KEY_ENV_PREFIX = "RESIDENCY_REMOTE_"
+#: Validation context for specs read back from Redis (see ``ModelSpec._key_prefix``).
+STORED = "stored"
 
 LIVE = "live"
 NEXT_LOAD = "next-load"
@@ -46,8 +61,13 @@ class ServerSettings(_Strict):
     )
     model_dirs: list[str] = _key(
         [],
-        LIVE,
+        RESTART,
         "folders that admin-registered model paths must lie in (DATA_DIR/models always counts)",
+    )
+    allow_local_remotes: bool = _key(
+        False,
+        RESTART,
+        "let remote models forward to loopback, link-local and unspecified addresses",
     )
 
 
@@ -87,7 +107,9 @@ class WorkerSettings(_Strict):
 
 
 class DebugSettings(_Strict):
-    fault_injection: bool = _key(False, LIVE, "enables POST /admin/faults (drills and tests only)")
+    fault_injection: bool = _key(
+        False, RESTART, "enables POST /admin/faults (drills and tests only)"
+    )
 
 
 class ModelSpec(_Strict):
@@ -107,6 +129,15 @@ class ModelSpec(_Strict):
     n_batch: int = Field(512, ge=1, le=1 << 16)
     chat_format: str | None = None
     pinned: bool = False
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_prefix(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # Entries already stored in Redis are read with ``STORED``: one written before the prefix
+        # rule must not make the whole registry unreadable; the forwarder refuses it instead.
+        if v is not None and not (info.context or {}).get(STORED):
+            check_remote_key_env(v)
+        return v
 
     @model_validator(mode="after")
     def _local_or_remote(self) -> ModelSpec:
@@ -181,6 +212,25 @@ def check_model_name(name: str) -> str:
             "(letters, digits, '.', '_', ':', '-'; at most 128)"
         )
     return name
+
+
+def check_remote_key_env(name: str) -> str:
+    if not name.startswith(REMOTE_KEY_ENV_PREFIX) or name == REMOTE_KEY_ENV_PREFIX:
+        raise ValueError(
+            f"must start with {REMOTE_KEY_ENV_PREFIX} (got {name!r}): only variables with this "
+            "prefix may be sent to a remote"
+        )
+    return name
+
+
+def is_restart_only(dotted: str) -> bool:
+    """``section.key`` is a plain key read only at process start (never an admin override)."""
+    return dotted in _restart_keys()
+
+
+@functools.cache
+def _restart_keys() -> frozenset[str]:
+    return frozenset(k for k, m in key_meta().items() if m["applies"] == RESTART)
 
 
 def key_meta() -> dict[str, dict[str, Any]]:
@@ -326,7 +376,9 @@ def validate_patch(current: Settings, patch: Mapping[str, Any]) -> dict[str, Any
             if dotted not in meta:
                 problems[dotted] = "unknown key"
             elif meta[dotted]["applies"] == RESTART:
-                problems[dotted] = "takes effect only at restart; change it in the config file"
+                problems[dotted] = (
+                    "restart-only: set it in the config file or the environment and restart"
+                )
             else:
                 flat[dotted] = v
     # Values of the known keys are checked even when other keys are bad, so one answer names

@@ -1,9 +1,11 @@
 """`residency up`: the whole box on one machine, supervised.
 
-Starts (in this order) the embedded Redis unless RESIDENCY_REDIS_URL is set, the coordinator, one
-worker agent and the web front end, each a child process that dies with the supervisor. A role
-that crashes is restarted (a few times); Ctrl-C or SIGTERM stops web first (no new requests),
-then the coordinator, then the agent (which stops its model processes), then Redis.
+Starts (in this order) the embedded Redis unless RESIDENCY_REDIS_URL is set, two coordinators (a
+leader and a warm standby that takes over within the lease TTL if the leader dies), one worker
+agent and the web front end, each a child process that dies with the supervisor. A role that
+crashes is restarted (a few times), and so is the embedded Redis (its AOF keeps the state; every
+role reconnects by itself). Ctrl-C or SIGTERM stops web first (no new requests), then the
+coordinators, then the agent (which stops its model processes), then Redis.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ from residency.redis_server import EmbeddedRedis
 
 log = logging.getLogger("residency.up")
 
-ROLES = ("coordinator", "worker", "web")
-STOP_ORDER = ("web", "coordinator", "worker")
+# Process name -> the `residency` role it runs. The standby is a second coordinator: whichever
+# holds the lease leads, the other waits for it.
+ROLES = {
+    "coordinator": "coordinator",
+    "coordinator-standby": "coordinator",
+    "worker": "worker",
+    "web": "web",
+}
+STOP_ORDER = ("web", "coordinator-standby", "coordinator", "worker")
 RESTARTS_PER_MINUTE = 5
 GRACE_S = 15.0
 
@@ -70,7 +79,7 @@ class Supervisor:
         self.stop = threading.Event()
         self.redis: EmbeddedRedis | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.restarts: dict[str, deque[float]] = {r: deque() for r in ROLES}
+        self.restarts: dict[str, deque[float]] = {r: deque() for r in (*ROLES, "redis")}
         self.env: dict[str, str] = {}
 
     def prepare(self) -> None:
@@ -99,9 +108,9 @@ class Supervisor:
         for role in ROLES:
             self.spawn(role)
 
-    def spawn(self, role: str) -> None:
-        self.children[role] = subprocess.Popen(
-            [sys.executable, "-m", "residency.cli", role],
+    def spawn(self, name: str) -> None:
+        self.children[name] = subprocess.Popen(
+            [sys.executable, "-m", "residency.cli", ROLES[name]],
             env=self.env,
             stdin=subprocess.DEVNULL,
             preexec_fn=procs.die_with_parent(),
@@ -134,8 +143,27 @@ class Supervisor:
             log.error("%s exited with %s; restarting", role, code)
             self.spawn(role)
 
+    def check_redis(self) -> None:
+        """Restart the embedded Redis if it died (same socket and data dir, so its AOF brings
+        the state back); the roles reconnect on their own."""
+        if self.redis is None or self.stop.is_set():
+            return
+        code = self.redis.exited()
+        if code is None:
+            return
+        now = time.monotonic()
+        recent = self.restarts["redis"]
+        while recent and now - recent[0] > 60:
+            recent.popleft()
+        if len(recent) >= RESTARTS_PER_MINUTE:
+            raise SupervisorError(f"embedded Redis keeps exiting (last status {code}); giving up")
+        recent.append(now)
+        log.error("embedded Redis exited with %s; restarting it", code)
+        self.redis.start()
+
     def supervise(self) -> None:
         while not self.stop.is_set():
+            self.check_redis()
             self.check_children()
             self.stop.wait(0.5)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any, cast
 
 import redis
@@ -29,10 +30,24 @@ def add_reply(
         pipe.expire(k, keys.REPLY_TTL_S)
 
 
-def fail_queued(r: redis.Redis, model: str, error: ApiError, limit: int = 100_000) -> int:
+def _writes(r: redis.Redis, scripts: Scripts, lease: str | None) -> Any:
+    """Where a plain write goes: to Redis, or for the coordinator leader (``lease``) into a
+    batch fenced by its lease. Both are pipeline-shaped: queue, then ``execute()``."""
+    return scripts.fenced(lease) if lease else r.pipeline(transaction=False)
+
+
+def fail_queued(
+    r: redis.Redis,
+    model: str,
+    error: ApiError,
+    limit: int = 100_000,
+    *,
+    lease: str | None = None,
+) -> int:
     """Answer every request still queued for ``model`` with ``error``. Each one leaves the queue
     together with its reply (one script), so a request is answered exactly once even if a model
-    process starts taking them meanwhile, and none is lost to a crash in between."""
+    process starts taking them meanwhile, and none is lost to a crash in between. ``lease``: the
+    coordinator leader's token; every write is then fenced by it (NotLeader when deposed)."""
     scripts = Scripts(r)
     reply = error.to_reply()
     n = 0
@@ -44,17 +59,35 @@ def fail_queued(r: redis.Redis, model: str, error: ApiError, limit: int = 100_00
             req_id = Request.loads(raw).id
         except (ValueError, KeyError):
             log.error("dropping malformed queued request for %s", model)
-            r.lrem(keys.queue(model), 1, raw)
+            _writes(r, scripts, lease).lrem(keys.queue(model), 1, raw).execute()
             continue
-        if scripts.reject_oldest(model, req_id, raw, reply):
+        if scripts.reject_oldest(model, req_id, raw, reply, lease=lease):
             n += 1
     return n
 
 
-def hand_back(r: redis.Redis, scripts: Scripts, model: str, reason: str) -> dict[str, int]:
-    """After a model process died: requeue its in-flight requests that produced no output yet,
-    answer the others with an error, and ask the coordinator to re-plan."""
-    counts = {"requeued": 0, "failed": 0, "gone": 0}
+#: A request whose model process died (unasked) this many times while running it is refused
+#: rather than requeued: it may be what kills the process.
+MAX_CRASHES = 2
+
+
+def hand_back(
+    r: redis.Redis,
+    scripts: Scripts,
+    model: str,
+    reason: str,
+    *,
+    crashed: bool = False,
+    lease: str | None = None,
+    token: str = "",
+) -> dict[str, int]:
+    """After a model process died or was stopped: requeue its in-flight requests that produced
+    no output yet, answer the others with an error, and ask the coordinator to re-plan.
+    ``crashed``: the process died without being asked to (a signal, an abort); each in-flight
+    request then counts one attempt, and one that reaches ``MAX_CRASHES`` is answered with an
+    error naming the crash instead of being requeued. ``lease``: the coordinator leader's token
+    (it reaps); every write is then fenced by it (NotLeader when deposed)."""
+    counts = {"requeued": 0, "refused": 0, "failed": 0, "gone": 0}
     err = ApiError(
         503,
         f"the process serving '{model}' stopped mid-reply ({reason}); retry the request",
@@ -62,14 +95,31 @@ def hand_back(r: redis.Redis, scripts: Scripts, model: str, reason: str) -> dict
         code="model_process_exited",
         retry_after=1,
     ).to_reply()
+    refusal = ApiError(
+        500,
+        f"the process serving '{model}' died {MAX_CRASHES} times while running this request "
+        f"(last: {reason}); it is not retried again",
+        type="server_error",
+        code="model_crashed",
+    ).to_reply()
     for raw in cast(list[str], r.lrange(keys.processing(model), 0, -1)):
         try:
-            req_id = Request.loads(raw).id
+            req = Request.loads(raw)
         except (ValueError, KeyError):
-            r.lrem(keys.processing(model), 1, raw)
+            _writes(r, scripts, lease).lrem(keys.processing(model), 1, raw).execute()
             continue
-        counts[scripts.hand_back(model, req_id, raw, err)] += 1
-    r.rpush(keys.events(), json.dumps(Event(EventType.GONE, model, {"reason": reason}).to_dict()))
-    if counts["requeued"] or counts["failed"]:
+        requeue = raw
+        if crashed:
+            attempts = req.attempts + 1
+            requeue = "" if attempts >= MAX_CRASHES else replace(req, attempts=attempts).dumps()
+        res = scripts.hand_back(
+            model, req.id, raw, err, requeue=requeue, refusal=refusal, lease=lease
+        )
+        counts[res] += 1
+    # A crash with its load token counts toward the model's crash loop (coordinator.failures).
+    data = {"reason": reason, **({"crashed": True, "token": token} if crashed and token else {})}
+    gone = Event(EventType.GONE, model, data).to_dict()
+    _writes(r, scripts, lease).rpush(keys.events(), json.dumps(gone)).execute()
+    if counts["requeued"] or counts["failed"] or counts["refused"]:
         log.warning("model %s gone (%s): %s", model, reason, counts)
     return counts

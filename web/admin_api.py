@@ -53,7 +53,7 @@ def _actor() -> str:
 
 def _changed(generation: int) -> int:
     # Refresh this worker's cache now, so its next request already sees the change.
-    state().at(generation)
+    state().refresh()
     return generation
 
 
@@ -62,12 +62,15 @@ def _changed(generation: int) -> int:
 
 @bp.get("/config")
 def get_config() -> Any:
-    view = state().refresh()
+    st = state()
+    view = st.refresh()
     return jsonify(
         {
             "config": view.settings.model_dump(exclude={"models", "policies"}),
             "sources": view.sources,
-            "generation": view.generation,
+            # The pass generation, comparable with /health's (as every change's answer is).
+            "generation": int(st.r.get(keys.generation()) or 0),
+            "config_error": st.config_error(),
         }
     )
 
@@ -148,9 +151,8 @@ def put_model(name: str) -> Any:
         raise _spec_error(e) from None
     s = st.refresh().settings
     if spec.path is not None:
-        allowed = [st.box.models_dir, *(Path(d) for d in s.server.model_dirs)]
         try:
-            resolved = registry.check_path(spec.path, allowed)
+            resolved = registry.check_path(spec.path, registry.model_dirs(st.box.models_dir, s))
         except registry.PathNotAllowed as e:
             raise errors.bad_request(str(e), "path", "path_not_allowed") from None
         if not Path(resolved).is_file():
@@ -202,6 +204,8 @@ def _request_residency(name: str, what: str) -> Response:
     _entry(name)
     pipe = st.r.pipeline(transaction=True)
     pipe.hset(keys.explicit(), name, what)
+    if what == "load":
+        pipe.delete(keys.load_failures(name))  # an explicit load ends a crash-loop backoff
     pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG, name, {what: True}).to_dict()))
     audit(pipe, _actor(), f"model.{what}", {"name": name})
     pipe.execute()

@@ -8,10 +8,9 @@ import redis
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from residency import errors
 from residency.box import Box
 from residency.errors import ApiError
-from web import admin_api, openai_api, ops
+from web import admin_api, bus, openai_api, ops
 from web.body import too_large
 from web.responses import error_response
 from web.state import EXTENSION, State, state
@@ -52,11 +51,13 @@ def _register_errors(app: Flask) -> None:
     def _http(e: HTTPException) -> Response:
         return error_response(_from_http(e))
 
+    # Redis down or restarting: every route that needs it answers 503 with Retry-After
+    # (/livez needs none and stays 200).
     @app.errorhandler(redis.ConnectionError)
     @app.errorhandler(redis.TimeoutError)
     def _storage(e: redis.RedisError) -> Response:
-        log.warning("Redis unavailable: %s", e)
-        return error_response(errors.not_ready(f"storage unavailable: {e.__class__.__name__}"))
+        log.warning("Redis unavailable on %s %s: %s", request.method, request.path, e)
+        return error_response(bus.storage_unavailable(e))
 
     @app.errorhandler(Exception)
     def _internal(e: Exception) -> Response:

@@ -67,8 +67,16 @@ def shutting_down_error(model: str) -> ApiError:
     )
 
 
-def _storage_error(exc: Exception) -> ApiError:
-    return errors.not_ready(f"storage unavailable: {exc.__class__.__name__}")
+def storage_unavailable(exc: Exception) -> ApiError:
+    """Redis is unreachable (down, restarting, loading its data): 503 with Retry-After, so
+    clients retry rather than treat it as their error."""
+    return ApiError(
+        503,
+        f"storage unavailable ({exc.__class__.__name__}); retry shortly",
+        type="server_error",
+        code="redis_unavailable",
+        retry_after=2,
+    )
 
 
 class Call:
@@ -110,7 +118,7 @@ class Call:
                 )
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 self.abandon()
-                raise _storage_error(e) from e
+                raise storage_unavailable(e) from e
             streams = resp.items() if isinstance(resp, dict) else (resp or [])
             for _key, entries in streams:
                 for msg_id, fields in entries:
@@ -196,7 +204,7 @@ def submit(
             model, item, bound=bound, demand_event=Event(EventType.DEMAND, model).to_dict()
         )
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise _storage_error(e) from e
+        raise storage_unavailable(e) from e
     if not ok:
         raise errors.queue_full(model, depth)
     return Call(r, req, item, timeout_s)

@@ -27,13 +27,16 @@ log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_UNKNOWN = "unknown"  # metric label for requests that named no registered model
+# The metric label of every request that named no registered model or policy. Labels come only
+# from registered names: a label per name a client made up would let anyone grow /metrics
+# without bound. Registered names start with a letter or digit, so this one is never taken.
+UNKNOWN_LABEL = "_unknown_"
 
 
 @bp.after_request
 def _count(resp: Response) -> Response:
     if request.method == "POST":
-        bus.REQUESTS.labels(g.get("model_label", _UNKNOWN), str(resp.status_code)).inc()
+        bus.REQUESTS.labels(g.get("model_label", UNKNOWN_LABEL), str(resp.status_code)).inc()
     return resp
 
 
@@ -62,7 +65,8 @@ def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Targ
     """The registry entry to serve ``model`` (404 when unknown, 400 for the wrong type); a
     policy name is routed to one of its candidates first."""
     view, entry, policy = st.lookup(model)
-    g.model_label = model
+    if entry is not None or policy is not None:
+        g.model_label = model
     check_size(view.settings.server.max_request_bytes)
     if policy is not None and kind is not Kind.EMBEDDING:
         decision = routing.route(st, view.settings, policy, kind, body)

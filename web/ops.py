@@ -57,7 +57,9 @@ def _not_ready_reasons(r: redis.Redis) -> list[str]:
 
 @bp.get("/readyz")
 def readyz() -> Any:
-    reasons = _not_ready_reasons(state().r)
+    # The probe client has short timeouts and no retries: an unreachable Redis fails this at
+    # once, so a load balancer stops sending traffic without waiting out the request timeouts.
+    reasons = _not_ready_reasons(state().probe)
     if reasons:
         return _unavailable({"status": "not_ready", "reasons": reasons})
     return jsonify({"status": "ready"})
@@ -65,13 +67,20 @@ def readyz() -> Any:
 
 @bp.get("/health")
 def health() -> Any:
+    st = state()
     # One HGETALL: the record and its generation come from the same published snapshot.
-    h = state().r.hgetall(keys.health())
+    h = st.r.hgetall(keys.health())
     raw = h.get("record") if isinstance(h, dict) else None
+    # Checked on every call (one stat of the config file, a reload only if something changed),
+    # so a broken config file is named here even before anything else reloads settings.
+    st.refresh()
     if not raw:
-        return _unavailable({"status": "starting"})
+        return _unavailable({"status": "starting", "config_error": st.config_error()})
     record = json.loads(raw)
     record["generation"] = int(h.get("generation") or record.get("generation") or 0)
+    # This web process's view: why its last settings reload failed (it keeps serving with the
+    # last good settings), or null.
+    record["config_error"] = st.config_error()
     return jsonify(record)
 
 

@@ -13,7 +13,9 @@ official clients send some of them on every call.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,38 @@ from typing import Any
 from residency.errors import ApiError, bad_request
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+# Caps on what one request may hold (docs/operations.md, "Limits on input"). Each bounds work a
+# client could otherwise make unbounded in web or in a model process: llama.cpp checks every
+# stop string against the text on every token, turns each JSON schema into a grammar (with one
+# copy of an item per repetition), and indexes logits by the token ids of logit_bias.
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
+MAX_TOOLS = 128
 MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_EMBEDDING_INPUTS = 2048
+#: Largest JSON schema (compact JSON, bytes) in response_format or one tool's parameters.
+MAX_SCHEMA_BYTES = 64 * 1024
+#: Largest count in a schema's minItems/maxItems/minProperties/maxProperties, minLength/
+#: maxLength and {n,m} repeats of a "pattern": llama.cpp's grammar builder writes (and, for
+#: separated items, recurses) once per repetition.
+MAX_SCHEMA_REPEAT = 256
+_SCHEMA_COUNTS = (
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minLength",
+    "maxLength",
+    "minContains",
+    "maxContains",
+)
+_PATTERN_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+#: Integers llama.cpp takes as C ints (max_tokens) or int64 (seed).
+MAX_INT32 = 2**31 - 1
+INT64 = (-(2**63), 2**63 - 1)
 _MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call")
 
 # Sampling parameters shared by chat and completions: name -> (lo, hi, integer).
@@ -77,6 +110,66 @@ def _wrong_type(param: str, expected: str, got: Any) -> ApiError:
     )
 
 
+def _max_items(param: str, items: list[Any], cap: int) -> None:
+    if len(items) > cap:
+        raise bad_request(
+            f"'{param}' may hold at most {cap} items, got {len(items)}",
+            param,
+            "array_above_max_length",
+        )
+
+
+def _max_chars(param: str, s: str, cap: int) -> None:
+    if len(s) > cap:
+        raise bad_request(
+            f"'{param}' may be at most {cap} characters long, got {len(s)}",
+            param,
+            "string_above_max_length",
+        )
+
+
+def check_schema(param: str, schema: dict[str, Any]) -> None:
+    """400 when a JSON schema (response_format, tool parameters) is larger than
+    MAX_SCHEMA_BYTES or asks for more repetitions than MAX_SCHEMA_REPEAT anywhere in it."""
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise bad_request(
+            f"'{param}' is {size} bytes of JSON; a schema may be at most {MAX_SCHEMA_BYTES}",
+            param,
+            "schema_too_large",
+        )
+    # The body's nesting is already bounded (web.body.MAX_JSON_DEPTH): a stack, not recursion.
+    stack: list[tuple[str, Any]] = [(param, schema)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, v in node.items():
+            here = f"{path}.{key}"
+            if key in _SCHEMA_COUNTS and _is_number(v) and v > MAX_SCHEMA_REPEAT:
+                raise _too_many_repeats(here, v)
+            if key == "pattern" and isinstance(v, str):
+                for m in _PATTERN_REPEAT.finditer(v):
+                    for g in m.groups():
+                        # Length first: int() refuses strings of thousands of digits.
+                        if g and (len(g) > 9 or int(g) > MAX_SCHEMA_REPEAT):
+                            raise _too_many_repeats(here, g[:12])
+            if isinstance(v, dict | list):
+                stack.append((here, v))
+
+
+def _too_many_repeats(param: str, n: Any) -> ApiError:
+    return bad_request(
+        f"'{param}' asks for {n} repetitions; at most {MAX_SCHEMA_REPEAT} are supported "
+        "(each becomes part of the sampling grammar)",
+        param,
+        "schema_too_large",
+    )
+
+
 def _model(body: Mapping[str, Any]) -> str:
     if "model" not in body or body["model"] is None:
         raise bad_request("you must provide a model parameter", "model", "missing_required")
@@ -128,8 +221,10 @@ def _max_tokens(body: Mapping[str, Any], params: dict[str, Any]) -> None:
             continue
         if not _is_int(v):
             raise _wrong_type(key, "an integer", v)
-        if v < 1:
-            raise bad_request(f"'{key}' must be >= 1, got {v}", key, "invalid_value")
+        if not 1 <= v <= MAX_INT32:
+            raise bad_request(
+                f"'{key}' must be between 1 and {MAX_INT32}, got {v}", key, "invalid_value"
+            )
         seen[key] = v
     if len(set(seen.values())) > 1:
         raise bad_request(
@@ -145,15 +240,16 @@ def _stop(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     if stop is None:
         return
     if isinstance(stop, str):
+        _max_chars("stop", stop, MAX_STOP_CHARS)
         params["stop"] = [stop]
         return
     if not isinstance(stop, list):
         raise _wrong_type("stop", "a string or an array of strings", stop)
-    if len(stop) > MAX_STOP:
-        raise bad_request(f"'stop' may hold at most {MAX_STOP} sequences", "stop")
+    _max_items("stop", stop, MAX_STOP)
     for i, s in enumerate(stop):
         if not isinstance(s, str):
             raise _wrong_type(f"stop[{i}]", "a string", s)
+        _max_chars(f"stop[{i}]", s, MAX_STOP_CHARS)
     params["stop"] = list(stop)
 
 
@@ -163,6 +259,9 @@ def _seed(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         return
     if not _is_int(seed):
         raise _wrong_type("seed", "an integer", seed)
+    lo, hi = INT64
+    if not lo <= seed <= hi:
+        raise bad_request(f"'seed' must be a 64-bit integer, got {seed}", "seed", "invalid_value")
     params["seed"] = seed
 
 
@@ -172,13 +271,19 @@ def _logit_bias(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         return
     if not isinstance(lb, dict):
         raise _wrong_type("logit_bias", "an object of token id -> bias", lb)
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}",
+            "logit_bias",
+            "array_above_max_length",
+        )
     out: dict[str, float] = {}
     for k, v in lb.items():
-        p = f"logit_bias.{k}"
-        try:
-            tok = int(k)
-        except ValueError:
-            raise bad_request(f"'{p}': keys must be token ids (integers)", p) from None
+        p = f"logit_bias.{k[:32]}"
+        # Digits only: int() would also take " 1", "+1" and "1_0", and must not see 5000 digits.
+        if not (k.isascii() and k.isdigit() and len(k) <= 10) or int(k) > MAX_INT32:
+            raise bad_request(f"'{p}': keys must be token ids (integers >= 0)", p)
+        tok = int(k)
         if not _is_number(v) or not -100 <= v <= 100:
             raise bad_request(f"'{p}' must be a number between -100 and 100", p)
         out[str(tok)] = float(v)
@@ -202,6 +307,7 @@ def _content_parts(parts: list[Any], param: str) -> str | list[dict[str, Any]]:
     """Text-only part lists become one string: llama.cpp chat templates expect a string."""
     if not parts:
         raise bad_request(f"'{param}' must not be an empty array", param)
+    _max_items(param, parts, MAX_CONTENT_PARTS)
     texts: list[str] = []
     for j, part in enumerate(parts):
         pp = f"{param}[{j}]"
@@ -263,6 +369,7 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     if tools is not None:
         if not isinstance(tools, list):
             raise _wrong_type("tools", "an array", tools)
+        _max_items("tools", tools, MAX_TOOLS)
         for i, t in enumerate(tools):
             p = f"tools[{i}]"
             if not isinstance(t, dict) or t.get("type") != "function":
@@ -270,6 +377,11 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
             fn = t.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise bad_request(f"'{p}.function.name' must be a string", f"{p}.function.name")
+            schema = fn.get("parameters")
+            if schema is not None:
+                if not isinstance(schema, dict):
+                    raise _wrong_type(f"{p}.function.parameters", "an object", schema)
+                check_schema(f"{p}.function.parameters", schema)
         if tools:
             params["tools"] = tools
     choice = body.get("tool_choice")
@@ -311,6 +423,7 @@ def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         if rf.get("schema") is not None:
             if not isinstance(rf["schema"], dict):
                 raise _wrong_type("response_format.schema", "an object", rf["schema"])
+            check_schema("response_format.schema", rf["schema"])
             out["schema"] = rf["schema"]
         params["response_format"] = out
         return
@@ -321,6 +434,7 @@ def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
                 "'response_format.json_schema.schema' must be an object",
                 "response_format.json_schema.schema",
             )
+        check_schema("response_format.json_schema.schema", js["schema"])
         params["response_format"] = {"type": "json_object", "schema": js["schema"]}
         return
     raise bad_request(
@@ -348,6 +462,7 @@ def validate_chat(body: Mapping[str, Any]) -> Validated:
         raise _wrong_type("messages", "an array", msgs)
     if not msgs:
         raise bad_request("'messages' must hold at least one message", "messages")
+    _max_items("messages", msgs, MAX_MESSAGES)
     params: dict[str, Any] = {"messages": [_message(i, m) for i, m in enumerate(msgs)]}
     _n(body)
     _sampling(body, params)
@@ -409,6 +524,7 @@ def validate_embedding(body: Mapping[str, Any]) -> Validated:
         raise _wrong_type("input", "a string or an array of strings", inp)
     if not items:
         raise bad_request("'input' must not be empty", "input")
+    _max_items("input", items, MAX_EMBEDDING_INPUTS)
     for i, s in enumerate(items):
         p = f"input[{i}]" if isinstance(inp, list) else "input"
         if _is_int(s) or isinstance(s, list):

@@ -3,6 +3,14 @@ load command, and reports every process that exits or stops owning its model.
 
 It never decides residency; it only carries out load commands and watches its children. A
 child whose model state is no longer its own (reaped, load timed out) is stopped.
+
+Three rules keep a host from being lost while it works:
+- the heartbeat runs on its own thread, so nothing the loop does (a slow spawn, a stop) can let
+  the worker record lapse and make the coordinator reap a host whose models still generate;
+- stopping a child never blocks the loop: it is sent SIGTERM, watched, and killed after a grace;
+- a command is moved to a processing list (``agent_taken``) when taken and removed only once
+  acted on, so a crash in between re-drives it on restart; each carries the model's load token,
+  and a command whose token no longer owns a ``loading`` state is dropped as stale.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ class Child:
     stop_sent_at: float = 0.0
     disowned_at: float = 0.0
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the agent asked it to stop (its exit is then no crash)."""
+        return self.stop_sent_at > 0.0
+
 
 class Agent:
     def __init__(
@@ -66,16 +79,29 @@ class Agent:
         self.stop = stop or threading.Event()
         self.waker: Waker | None = None  # set by run(): a stop unblocks the command read
         self.children: dict[str, Child] = {}
+        # Guards ``children`` between the loop (which changes it) and the heartbeat thread
+        # (which reports it).
+        self._lock = threading.Lock()
+        # A load command for a model whose older process is still stopping: started once that
+        # process has exited (model -> raw command, still on the taken list).
+        self.deferred: dict[str, str] = {}
+        self.unacked: list[str] = []  # taken commands not yet handled, oldest first
+        self._beat_error = False
         # One warm process per device, already started and with llama.cpp imported, takes the
         # next load on that device: a load then costs the model's own load time only.
         self.use_standby = box.base_settings().worker.standby_process
         self.standbys: dict[str, Child] = {}
-        self._last_beat = 0.0
 
     # -- registration -----------------------------------------------------------------------
 
     def heartbeat(self) -> None:
+        """Renew the worker record. ``children`` lists the model processes this agent runs as
+        {model: load token}; ``children_at`` is taken before that list is read, so a model
+        committed before ``children_at`` whose token is missing has no process here (the
+        coordinator reaps such a state)."""
         now = time.time()
+        with self._lock:
+            children = {m: c.token for m, c in self.children.items()}
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(
             keys.worker(self.host),
@@ -85,12 +111,28 @@ class Agent:
                 "memory": json.dumps(devices.memory_used(self.devices, self._pressure())),
                 "pid": os.getpid(),
                 "last_heartbeat": now,
+                "children": json.dumps(children, sort_keys=True),
+                "children_at": now,
             },
         )
         pipe.expire(keys.worker(self.host), keys.WORKER_TTL_S)
         pipe.sadd(keys.workers(), self.host)
         pipe.execute()
-        self._last_beat = now
+
+    def beat_until_stopped(self) -> None:
+        """The heartbeat thread: every HEARTBEAT_S until the stop, whatever the loop is doing.
+        A Redis outage is logged once; beats resume when Redis is back."""
+        while not self.stop.wait(HEARTBEAT_S):
+            try:
+                self.heartbeat()
+            except redis.RedisError as e:
+                if not self._beat_error:
+                    log.error("heartbeat failed (%s); retrying every %.0fs", e, HEARTBEAT_S)
+                self._beat_error = True
+            else:
+                if self._beat_error:
+                    log.info("heartbeat restored")
+                self._beat_error = False
 
     def _pressure(self) -> float | None:
         """The ``memory_pressure`` fault (written only when fault injection is enabled)."""
@@ -98,12 +140,26 @@ class Agent:
         return float(raw) if raw else None
 
     def reconcile_on_start(self) -> None:
-        """Models this host held before the agent restarted have lost their processes (they die
-        with their parent): give their work back and free their slots."""
-        for k in self.r.scan_iter(match=keys.model_pattern(), count=1000):
-            name = str(k).removeprefix(keys.model(""))
-            h = cast(dict[str, str], self.r.hgetall(k))
-            if h.get("host") == self.host and ModelState(h.get("state", "unloaded")) in OCCUPYING:
+        """After a restart: commands the previous agent took but had not finished go back to the
+        front of the command list (in order). Models this host held have lost their processes
+        (they die with their parent): give their work back and free their slots — except a
+        load whose command is still pending, which runs next."""
+        while self.r.lmove(
+            keys.agent_taken(self.host), keys.agent_commands(self.host), "RIGHT", "LEFT"
+        ):
+            pass
+        pending = set()
+        for raw in cast(list[str], self.r.lrange(keys.agent_commands(self.host), 0, -1)):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                pending.add(json.loads(raw)["token"])
+        for name in sorted(cast(set[str], self.r.smembers(keys.models_with_state()))):
+            h = cast(dict[str, str], self.r.hgetall(keys.model(name)))
+            if h.get("host") != self.host:
+                continue
+            state = ModelState(h.get("state", "unloaded"))
+            if state is ModelState.LOADING and h.get("token") in pending:
+                continue
+            if state in OCCUPYING:
                 self._release(name, h.get("token", ""), "agent restarted")
 
     # -- loop -------------------------------------------------------------------------------
@@ -115,46 +171,87 @@ class Agent:
         self.r.rpush(
             keys.events(), json.dumps(Event(EventType.WORKER, "", {"host": self.host}).to_dict())
         )
+        beat = threading.Thread(target=self.beat_until_stopped, name="heartbeat", daemon=True)
+        beat.start()
         self.waker = Waker(self.r, self.stop)
         try:
             run_until_stopped(self.stop, self.iteration, log, "agent loop")
         finally:
+            beat.join(timeout=10)  # before deregistering: a late beat would re-register
             self.shutdown()
             self.waker.close()
 
     def iteration(self) -> None:
-        if time.time() - self._last_beat >= HEARTBEAT_S:
-            self.heartbeat()
         with self.waker.reading() if self.waker else contextlib.nullcontext(self.r) as blocking:
-            item = blocking.blpop([keys.agent_commands(self.host)], timeout=COMMAND_WAIT_S)
-        if item is not None:
-            self.handle(str(item[1]))
+            raw = blocking.blmove(
+                keys.agent_commands(self.host),
+                keys.agent_taken(self.host),
+                COMMAND_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
+                "LEFT",
+                "RIGHT",
+            )
+        if raw is not None:
+            self.unacked.append(str(raw))
+        # A command whose handling failed (a Redis error) stays first in line and is tried
+        # again: it is still on the taken list, and nothing else would re-drive it while this
+        # agent lives.
+        while self.unacked:
+            self.handle(self.unacked[0])
+            self.unacked.pop(0)
         self.watch_children()
+
+    def ack(self, raw: str) -> None:
+        """The command is carried out (or dropped): off the taken list."""
+        self.r.lrem(keys.agent_taken(self.host), 1, raw)
 
     def handle(self, raw: str) -> None:
         try:
             cmd = json.loads(raw)
-        except ValueError:
+            model, token, device = cmd["model"], cmd["token"], cmd["device"]
+        except (ValueError, KeyError, TypeError):
             log.error("dropping malformed command %r", raw)
+            self.ack(raw)
             return
         if cmd.get("op") != "load":
             log.error("unknown command %r", cmd.get("op"))
+            self.ack(raw)
             return
-        model, token, device = cmd["model"], cmd["token"], cmd["device"]
+        state, cur, host = cast(
+            list[str | None], self.r.hmget(keys.model(model), ["state", "token", "host"])
+        )
+        if state != ModelState.LOADING.value or cur != token or host != self.host:
+            # Written for a load that was since reaped, failed or replaced (e.g. while this
+            # agent was down): running it now would load a model nobody waits for.
+            log.info("dropping stale load command for %s (state %s)", model, state)
+            self.ack(raw)
+            return
         old = self.children.get(model)
+        if old is not None and old.token == token:
+            self.ack(raw)  # started already; only its acknowledgement was lost
+            return
         if old is not None and old.proc.poll() is None:
-            # An older process of this model still runs (its state was taken from it): stop it
-            # before the new one starts, so one model never has two processes.
-            self._stop_child(old)
+            # An older process of this model still runs (its state was taken from it): stop
+            # it, and start the new one once it has exited, so one model never has two
+            # processes — without blocking this loop meanwhile.
+            self._request_stop(old)
+            self.deferred[model] = raw
+            return
+        self.start(model, token, device, raw)
+        self.ack(raw)
+
+    def start(self, model: str, token: str, device: str, raw: str) -> None:
+        # The child is on the reported list before it can commit its load (see heartbeat).
         warm = self.standbys.pop(device, None)
         if warm is not None and warm.proc.poll() is None:
+            with self._lock:
+                self.children[model] = Child(model, token, device, warm.proc)
             self.r.rpush(keys.standby(self.host, warm.token), raw)
-            proc = warm.proc
-            log.info("%s goes to the warm process %d on %s", model, proc.pid, device)
+            log.info("%s goes to the warm process %d on %s", model, warm.proc.pid, device)
         else:
             proc = self._spawn(device, "--command", raw)
+            with self._lock:
+                self.children[model] = Child(model, token, device, proc)
             log.info("spawned %s (pid %d) on %s", model, proc.pid, device)
-        self.children[model] = Child(model, token, device, proc)
 
     def _spawn(self, device: str, *args: str) -> subprocess.Popen[bytes]:
         """A model process pinned to ``device`` (one GPU visible, or the device's CPU cores)."""
@@ -200,8 +297,15 @@ class Agent:
             c = self.children[n]
             code = c.proc.poll()
             if code is not None:
-                del self.children[n]
-                self._release(n, c.token, f"process exited with {code}")
+                # Released before it is forgotten: should Redis fail in between, the next watch
+                # sees the exit again and retries (a forgotten child would strand its state).
+                crashed = code != 0 and not c.stop_requested
+                self._release(n, c.token, f"process exited with {code}", crashed=crashed)
+                with self._lock:
+                    del self.children[n]
+                raw = self.deferred.pop(n, None)
+                if raw is not None:
+                    self.handle(raw)
                 continue
             if token == c.token and state in (s.value for s in OCCUPYING):
                 continue
@@ -210,19 +314,31 @@ class Agent:
                 c.disowned_at = c.disowned_at or time.monotonic()
                 if time.monotonic() - c.disowned_at < EXIT_GRACE_S:
                     continue
-            if not c.stop_sent_at:
+            if not c.stop_requested:
                 log.warning("%s (pid %d) no longer owns its state; stopping it", n, c.proc.pid)
-                c.stop_sent_at = time.monotonic()
-                c.proc.terminate()
-            elif time.monotonic() - c.stop_sent_at > STOP_GRACE_S:
-                c.proc.kill()
+            self._request_stop(c)
 
-    def _release(self, model: str, token: str, reason: str) -> None:
+    def _request_stop(self, c: Child) -> None:
+        """SIGTERM now, SIGKILL once the grace has passed (called again on each watch); never
+        waits."""
+        if not c.stop_sent_at:
+            c.stop_sent_at = time.monotonic()
+            c.proc.terminate()
+        elif time.monotonic() - c.stop_sent_at > STOP_GRACE_S:
+            c.proc.kill()
+
+    def _release(self, model: str, token: str, reason: str, *, crashed: bool = False) -> None:
         """A process of ``model`` (load ``token``) is gone: free its state if it still held it
         and hand its in-flight requests back."""
         state, cur = cast(list[str | None], self.r.hmget(keys.model(model), ["state", "token"]))
-        if cur != token or state in (None, ModelState.UNLOADED.value, ModelState.FAILED.value):
-            return  # committed its unload, or someone else already took over
+        if cur != token or state is None:
+            return  # someone else already took over
+        if state in (ModelState.UNLOADED.value, ModelState.FAILED.value):
+            # It committed its unload (nothing in flight then), or an earlier release moved
+            # the state and failed before handing the work back: finish that.
+            if self.r.llen(keys.processing(model)):
+                work.hand_back(self.r, self.scripts, model, reason, crashed=crashed, token=token)
+            return
         dst = ModelState.FAILED if state == ModelState.LOADING.value else ModelState.UNLOADED
         ok, _ = self.scripts.transition(
             model,
@@ -230,34 +346,42 @@ class Agent:
             token=token,
             fields={"error": reason, "pid": None, "host": None, "device": None},
         )
-        if ok:
-            work.hand_back(self.r, self.scripts, model, reason)
-            if dst is ModelState.FAILED:
-                self.r.rpush(
-                    keys.events(),
-                    json.dumps(Event(EventType.LOAD_FAILED, model, {"error": reason}).to_dict()),
-                )
-
-    def _stop_child(self, c: Child) -> None:
-        code = procs.terminate(c.proc, STOP_GRACE_S)
-        self._release(c.model, c.token, f"stopped with {code}")
+        if not ok:
+            return
+        if dst is ModelState.FAILED:
+            # Before the hand-back's "gone" event: a pass that sees "gone" first could start a
+            # new load whose queue the failure would then answer.
+            self.r.rpush(
+                keys.events(),
+                json.dumps(
+                    Event(EventType.LOAD_FAILED, model, {"token": token, "error": reason}).to_dict()
+                ),
+            )
+        work.hand_back(self.r, self.scripts, model, reason, crashed=crashed, token=token)
 
     def shutdown(self) -> None:
-        """Stop every model process (SIGTERM, then SIGKILL after the grace period) and hand
-        their work back, then deregister the host."""
+        """Stop every model process (SIGTERM to all at once, SIGKILL after the grace period)
+        and hand their work back, then deregister the host. Commands not yet carried out stay
+        on the taken list for the next agent on this host."""
         for c in self.standbys.values():
-            procs.terminate(c.proc, STOP_GRACE_S)
-        self.standbys.clear()
+            if c.proc.poll() is None:
+                c.proc.terminate()
         children = list(self.children.values())
         for c in children:
             if c.proc.poll() is None:
+                c.stop_sent_at = c.stop_sent_at or time.monotonic()
                 c.proc.terminate()
-        for c in children:
+        for c in [*self.standbys.values(), *children]:
+            code = procs.terminate(c.proc, STOP_GRACE_S)
+            if not c.model:
+                continue
             try:
-                self._stop_child(c)
+                self._release(c.model, c.token, f"stopped with {code}")
             except redis.RedisError as e:
                 log.error("could not release %s: %s", c.model, e)
-        self.children.clear()
+        self.standbys.clear()
+        with self._lock:
+            self.children.clear()
         with contextlib.suppress(redis.RedisError):
             self.r.delete(keys.worker(self.host))
         log.info("agent stopped")

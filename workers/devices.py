@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 
 import psutil
 
@@ -46,9 +47,60 @@ def memory_total() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def child_env(device: str, base: dict[str, str]) -> dict[str, str]:
-    """Environment of a model process on ``device``: exactly one GPU visible, or none."""
-    env = dict(base)
+#: Variables a model process inherits by exact name. Everything else of the agent's environment
+#: (the admin key, remote API keys, cloud credentials...) stays behind: a model process runs
+#: third-party native code on untrusted prompts and needs none of it.
+CHILD_ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONUNBUFFERED",
+        "PYTHONDONTWRITEBYTECODE",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "XDG_CACHE_HOME",
+        "RESIDENCY_LOG_LEVEL",
+        "RESIDENCY_REDIS_URL",
+    }
+)
+#: ... and by prefix: locale, GPU runtimes (device selection, caches), OpenMP/BLAS and llama.cpp
+#: tuning.
+CHILD_ENV_PREFIXES = (
+    "LC_",
+    "CUDA_",
+    "HIP_",
+    "ROCR_",
+    "HSA_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "MKL_",
+    "GGML_",
+    "LLAMA_CPP_",
+)
+#: A prefixed name that looks like a secret is dropped all the same.
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def _inherited(name: str) -> bool:
+    if name in CHILD_ENV_NAMES:
+        return True
+    return name.startswith(CHILD_ENV_PREFIXES) and not any(w in name for w in _SECRET_WORDS)
+
+
+def child_env(device: str, base: Mapping[str, str]) -> dict[str, str]:
+    """Environment of a model process on ``device``: only the allow-listed variables of
+    ``base`` (see ``CHILD_ENV_NAMES``), and exactly one GPU visible, or none."""
+    env = {k: v for k, v in base.items() if _inherited(k)}
     if device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
     else:

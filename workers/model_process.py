@@ -14,12 +14,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any, cast
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
 
 import redis
 
-from residency import keys, metrics
+from residency import keys, metrics, registry
 from residency.box import connect
 from residency.errors import ApiError
 from residency.loops import Waker
@@ -32,8 +32,16 @@ from workers.faults import FaultyRuntime
 from workers.runtime import LlamaRuntime, Runtime
 
 log = logging.getLogger("residency.model")
+T = TypeVar("T")
 
 TAKE_WAIT_S = 0.25  # how long an idle process blocks on its queue before checking control
+REDIS_BACKOFF_S = (0.1, 2.0)  # first and longest wait between tries while Redis is unreachable
+# A reply stream's TTL is renewed this often while it runs (it expires REPLY_TTL_S after the
+# last renewal, so a stream longer than the TTL never loses its key mid-reply).
+RENEW_TTL_S = keys.REPLY_TTL_S / 4
+# Errors that mean Redis is unreachable or restarting (BusyLoadingError, raised while a
+# restarted server reads its AOF, is a ConnectionError): wait and try again, never exit.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 OWNERSHIP_CHECK_S = 1.0
 FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
 
@@ -50,8 +58,11 @@ class ModelProcess:
         runtime: Runtime,
         stop: threading.Event,
         limits_generation: int = 0,
+        model_dirs: list[str] | None = None,
     ) -> None:
         self.r = r
+        # Folders the model file's real path must lie in at load (None: a config-file model).
+        self.model_dirs = model_dirs
         self.scripts = Scripts(r)
         self.model = model
         self.token = token
@@ -63,15 +74,26 @@ class ModelProcess:
         # commit).
         self.limits_generation = limits_generation
         self._idle_event = Event(EventType.IDLE, model).to_dict()
+        self._next_check = 0.0
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
+
+    def retrying(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, tried again with backoff while Redis is unreachable (a restart): the
+        process keeps its model loaded and carries on when Redis is back. Raises only when the
+        process is told to stop."""
+        return retry_while_down(what, fn, self.stop)
 
     # -- load -------------------------------------------------------------------------------
 
     def load(self) -> bool:
         t0 = time.monotonic()
         try:
+            if self.model_dirs is not None and self.spec.path is not None:
+                # Re-checked here, not only at registration: the file may have been swapped for
+                # a symlink that leads out of the model directories since.
+                registry.check_path(self.spec.path, self.model_dirs)
             self.runtime.load(self.spec, self.device)
         except Exception as e:
             if self.stop.is_set():
@@ -79,13 +101,7 @@ class ModelProcess:
                 return False
             msg = f"{type(e).__name__}: {e}"
             log.error("load of %s failed: %s", self.model, msg)
-            self.scripts.transition(
-                self.model, ModelState.FAILED, token=self.token, fields={"error": msg[:500]}
-            )
-            pipe = self.r.pipeline(transaction=False)
-            metrics.inc(pipe, metrics.LOADS_TOTAL, {"model": self.model, "outcome": "error"})
-            pipe.rpush(keys.events(), json.dumps(self._event(EventType.LOAD_FAILED, error=msg)))
-            pipe.execute()
+            self.retrying("report the failed load", lambda: self._report_failed_load(msg))
             return False
         seconds = time.monotonic() - t0
         if self.stop.is_set():
@@ -93,18 +109,21 @@ class ModelProcess:
             log.info("%s: stopped during its load; not committing it", self.model)
             return False
         now = time.time()
-        ok, res = self.scripts.commit_load(
-            self.model,
-            token=self.token,
-            limits_generation=self.limits_generation,
-            ready_event=self._event(EventType.READY),
-            fields={
-                "pid": os.getpid(),
-                "loaded_at": now,
-                "load_seconds": round(seconds, 4),
-                "last_used": now,
-                "loading_since": None,
-            },
+        ok, res = self.retrying(
+            "commit the load",
+            lambda: self.scripts.commit_load(
+                self.model,
+                token=self.token,
+                limits_generation=self.limits_generation,
+                ready_event=self._event(EventType.READY),
+                fields={
+                    "pid": os.getpid(),
+                    "loaded_at": now,
+                    "load_seconds": round(seconds, 4),
+                    "last_used": now,
+                    "loading_since": None,
+                },
+            ),
         )
         if not ok:
             log.warning("load of %s finished but the state is %s now; exiting", self.model, res)
@@ -116,39 +135,63 @@ class ModelProcess:
         metrics.observe(pipe, metrics.LOAD_SECONDS, {"model": self.model}, seconds)
         if res == "recheck":
             metrics.inc(pipe, metrics.RECHECKS_TOTAL, {"model": self.model})
-        pipe.execute()
+        self.retrying("count the load", pipe.execute)
         log.info("%s ready on %s in %.3fs", self.model, self.device, seconds)
         return True
+
+    def _report_failed_load(self, msg: str) -> None:
+        self.scripts.transition(
+            self.model, ModelState.FAILED, token=self.token, fields={"error": msg[:500]}
+        )
+        pipe = self.r.pipeline(transaction=False)
+        metrics.inc(pipe, metrics.LOADS_TOTAL, {"model": self.model, "outcome": "error"})
+        pipe.rpush(keys.events(), json.dumps(self._event(EventType.LOAD_FAILED, error=msg)))
+        pipe.execute()
 
     # -- serve ------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        next_check = time.monotonic() + OWNERSHIP_CHECK_S
         waker = Waker(self.r, self.stop)  # a stop unblocks the queue read at once
+        backoff = REDIS_BACKOFF_S[0]
+        self._next_check = time.monotonic() + OWNERSHIP_CHECK_S
         try:
-            self._serve(waker, next_check)
+            while not self.stop.is_set():
+                try:
+                    if self.serve_once(waker):
+                        return
+                except REDIS_DOWN as e:
+                    log.warning(
+                        "%s: Redis unreachable (%s); again in %.1fs", self.model, e, backoff
+                    )
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, REDIS_BACKOFF_S[1])
+                else:
+                    backoff = REDIS_BACKOFF_S[0]
         finally:
             waker.close()
 
-    def _serve(self, waker: Waker, next_check: float) -> None:
-        while not self.stop.is_set():
-            with waker.reading() as blocking:
-                raw = blocking.blmove(
-                    keys.queue(self.model),
-                    keys.processing(self.model),
-                    TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
-                    "RIGHT",
-                    "LEFT",
-                )
-            if raw is not None:
-                self.handle(str(raw))
-            if self.check_control() == "unloaded":
-                return
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + OWNERSHIP_CHECK_S
-                if not self.owns_state():
-                    log.warning("%s: state no longer ours; exiting", self.model)
-                    return
+    def serve_once(self, waker: Waker) -> bool:
+        """Take and serve at most one request, then look at control and (every
+        OWNERSHIP_CHECK_S) ownership; True when the process should exit: it unloaded, or its
+        state is no longer its own (reaped, or lost with a Redis that restarted empty)."""
+        with waker.reading() as blocking:
+            raw = blocking.blmove(
+                keys.queue(self.model),
+                keys.processing(self.model),
+                TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
+                "RIGHT",
+                "LEFT",
+            )
+        if raw is not None:
+            self.handle(str(raw))
+        if self.check_control() == "unloaded":
+            return True
+        if time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + OWNERSHIP_CHECK_S
+            if not self.owns_state():
+                log.warning("%s: state no longer ours; exiting", self.model)
+                return True
+        return False
 
     def owns_state(self) -> bool:
         state, token = cast(
@@ -188,21 +231,35 @@ class ModelProcess:
                 last = self.generate(req)
         except ApiError as e:
             last = (ReplyType.ERROR, e.to_reply())
+        except REDIS_DOWN as e:
+            # Its reply could not be written: once Redis is back the client (if still
+            # reading) gets a clean error, and the request leaves the processing list.
+            log.warning("%s: Redis lost during request %s: %s", self.model, req.id, e)
+            err = ApiError(
+                503,
+                "the reply was cut off by a storage outage; retry the request",
+                type="server_error",
+                code="redis_unavailable",
+                retry_after=1,
+            )
+            last = (ReplyType.ERROR, err.to_reply())
         except Exception as e:
             log.exception("%s: request %s failed", self.model, req.id)
             err = ApiError(500, f"generation failed: {e}", type="server_error", code="internal")
             last = (ReplyType.ERROR, err.to_reply())
-        finally:
-            # The last reply message goes out with the removal from the processing list, in
-            # one script (see finish.lua for the race that prevents).
-            self.scripts.finish(
+        # The last reply message goes out with the removal from the processing list, in one
+        # script (see finish.lua for the race that prevents); retried through a Redis restart.
+        self.retrying(
+            "finish a request",
+            lambda: self.scripts.finish(
                 self.model,
                 raw,
                 now=time.time(),
                 idle_event=self._idle_event,
                 request_id=req.id,
                 last=last,
-            )
+            ),
+        )
 
     def generate(self, req: Request) -> tuple[str, dict[str, Any]] | None:
         """Run the request; returns its last reply message (None when its client cancelled)."""
@@ -231,6 +288,7 @@ class ModelProcess:
         sent = 0
         texted = False
         last_flush = 0.0
+        last_ttl = 0.0
         it = iter(chunks)
         try:
             for chunk in it:
@@ -252,7 +310,10 @@ class ModelProcess:
                     due = now - last_flush >= FLUSH_EVERY_S
                 if due:
                     last_flush = now
-                    if self._flush(req.id, batch, set_ttl=sent == 0):
+                    renew = sent == 0 or now - last_ttl >= RENEW_TTL_S
+                    if renew:
+                        last_ttl = now
+                    if self._flush(req.id, batch, set_ttl=renew):
                         self._cancelled(req.id, sent)
                         return None
                     sent += len(batch)
@@ -287,6 +348,21 @@ def _has_text(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def retry_while_down(what: str, fn: Callable[[], T], stop: threading.Event) -> T:
+    """``fn()``, tried again with backoff (REDIS_BACKOFF_S) while Redis is unreachable; raises
+    the last error once ``stop`` is set."""
+    backoff = REDIS_BACKOFF_S[0]
+    while True:
+        try:
+            return fn()
+        except REDIS_DOWN as e:
+            if stop.is_set():
+                raise
+            log.warning("Redis unreachable (%s) trying to %s; again in %.1fs", e, what, backoff)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, REDIS_BACKOFF_S[1])
+
+
 def build_runtime(
     r: redis.Redis, model: str, fault_injection: bool, stop: threading.Event
 ) -> Runtime:
@@ -298,13 +374,23 @@ def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | N
     """A standby process waits here (bounded waits, woken at once by a stop) for its one
     command."""
     waker = Waker(r, stop)
+
+    def take() -> str | None:
+        with waker.reading() as blocking:
+            item = blocking.blpop([key], timeout=1)
+        if item is None:
+            return None
+        r.delete(key)
+        return str(item[1])
+
     try:
         while not stop.is_set():
-            with waker.reading() as blocking:
-                item = blocking.blpop([key], timeout=1)
-            if item is not None:
-                r.delete(key)
-                return str(item[1])
+            try:
+                raw = retry_while_down("wait for a load command", take, stop)
+            except REDIS_DOWN:
+                return None  # stopped while Redis was down
+            if raw is not None:
+                return raw
         return None
     finally:
         waker.close()
@@ -348,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime=build_runtime(r, cmd["model"], bool(cmd.get("fault_injection")), stop),
         stop=stop,
         limits_generation=int(cmd.get("limits_generation", 0)),
+        model_dirs=cmd.get("model_dirs"),
     )
     if not proc.load():
         return 1

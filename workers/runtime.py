@@ -4,9 +4,11 @@ delay or failure wraps the real one (``workers.faults``) behind the same interfa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from residency.errors import ApiError
 from residency.settings import ModelSpec
 
 
@@ -24,6 +26,52 @@ class Runtime(Protocol):
     def embed(self, inputs: list[str]) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+# How llama-cpp-python's high-level Llama refuses input that does not fit (a ValueError, which
+# the model process would otherwise answer as a 500): a prompt of n_ctx tokens or more leaves
+# no room for one generated token; an embedding input must fit in one batch.
+_CONTEXT = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
+_BATCH = re.compile(r"Requested tokens \((\d+)\) exceed batch size of (\d+)")
+_NO_LOGPROBS = "logprobs is not supported"
+
+
+def _client_error(e: ValueError, param: str) -> ApiError | None:
+    """The 400 a client should get for llama.cpp's ValueError ``e``, or None when it is not
+    about the request's input."""
+    msg = str(e)
+    if m := _CONTEXT.search(msg):
+        return ApiError(
+            400,
+            f"This model's maximum context length is {m[2]} tokens, and the prompt is {m[1]} "
+            "tokens (at least one token must be left to generate). Shorten the "
+            f"{param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if m := _BATCH.search(msg):
+        return ApiError(
+            400,
+            f"An input is {m[1]} tokens; this embedding model takes at most {m[2]} per input.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if _NO_LOGPROBS in msg:
+        return ApiError(
+            400, "logprobs are not supported by this server", param="logprobs", code="unsupported"
+        )
+    return None
+
+
+def _guarded(chunks: Iterator[dict[str, Any]], param: str) -> Iterator[dict[str, Any]]:
+    # A stream raises on its first chunk; closing this generator closes llama.cpp's.
+    try:
+        yield from chunks
+    except ValueError as e:
+        err = _client_error(e, param)
+        if err is None:
+            raise
+        raise err from None
 
 
 class LlamaRuntime:
@@ -63,13 +111,43 @@ class LlamaRuntime:
         return self._llm
 
     def chat(self, params: dict[str, Any], stream: bool) -> Any:
-        return self.llm.create_chat_completion(**params, stream=stream)
+        return self._call(self.llm.create_chat_completion, params, stream, "messages")
 
     def completion(self, params: dict[str, Any], stream: bool) -> Any:
-        return self.llm.create_completion(**params, stream=stream)
+        return self._call(self.llm.create_completion, params, stream, "prompt")
+
+    def _call(self, create: Any, params: dict[str, Any], stream: bool, param: str) -> Any:
+        self._check_logit_bias(params)
+        try:
+            out = create(**params, stream=stream)
+        except ValueError as e:
+            err = _client_error(e, param)
+            if err is None:
+                raise
+            raise err from None
+        return _guarded(out, param) if stream else out
+
+    def _check_logit_bias(self, params: dict[str, Any]) -> None:
+        # llama.cpp indexes the logits with these ids: one past the vocabulary is an IndexError.
+        n_vocab = self.llm.n_vocab()
+        for k in params.get("logit_bias") or {}:
+            if not 0 <= int(k) < n_vocab:
+                raise ApiError(
+                    400,
+                    f"token id {k} in 'logit_bias' is not in this model's vocabulary "
+                    f"(0 to {n_vocab - 1})",
+                    param=f"logit_bias.{k}",
+                    code="invalid_value",
+                )
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
-        return dict(self.llm.create_embedding(inputs))
+        try:
+            return dict(self.llm.create_embedding(inputs))
+        except ValueError as e:
+            err = _client_error(e, "input")
+            if err is None:
+                raise
+            raise err from None
 
     def close(self) -> None:
         if self._llm is not None:

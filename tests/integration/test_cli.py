@@ -77,7 +77,7 @@ def test_config_file_policies_are_validated_at_start(tmp_path: Path) -> None:
     cfg.write_text(
         f'[models.a]\npath = "{model}"\n'
         '[policies.auto]\ncandidates = ["a", "ghost"]\ndefault = "a"\n'
-        'rules = [{ id = "r", match = { regex = "(x+)+" }, route_to = "a" }]\n'
+        'rules = [{ id = "r", match = { regex = "(?=x)" }, route_to = "a" }]\n'
     )
     res = run("coordinator", "--config", str(cfg), "--data-dir", str(tmp_path))
     assert res.returncode == 2

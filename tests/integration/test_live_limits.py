@@ -8,14 +8,17 @@ Slow loads and busy models are made deterministic with the debug faults (``load_
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 
 from coordinator import retry
 from coordinator.loop import Coordinator
-from residency import keys
+from residency import keys, policy_store
 from residency.box import connect
 from residency.messages import Event, EventType
 from tests.conftest import Pool
+from tests.integration.test_failover import everything
 from tests.integration.test_pool import ADMIN, chat, client_for, in_thread, loads
 
 
@@ -25,15 +28,22 @@ def counter(pool: Pool, metric: str, **labels: str) -> float:
 
 
 def hand_driven_leader(pool: Pool, redis_url: str) -> Coordinator:
-    """Hand the lease to a coordinator driven by hand, with an empty inbox, so its passes are
-    counted exactly: the running one finds its lease gone at its next renewal and stands by."""
+    """Hand the lease to a coordinator whose passes the test runs (``step``, or its loop with
+    ``run``), with an empty inbox: the running one finds its lease gone at its next renewal and
+    stands by. Its lease is renewed by its own thread until ``co.stop`` is set."""
     co = Coordinator(pool.box, connect(redis_url))
     pool.r.set(keys.leader(), co.lease_token, px=keys.LEADER_TTL_MS)
     co.is_leader = True
+    threading.Thread(target=co.keep_lease, daemon=True).start()
     pool.wait_for(lambda: not pool.coordinator.is_leader, what="the old leader standing by")
     while co.collect_events(0.01):
         pass
     return co
+
+
+def hand_back_lease(co: Coordinator) -> None:
+    co.stop.set()
+    co.resign()
 
 
 def health(pool: Pool) -> dict[str, object]:
@@ -41,23 +51,26 @@ def health(pool: Pool) -> dict[str, object]:
 
 
 def test_patch_returns_during_a_slow_load_and_the_late_commit_is_rechecked(
-    start_pool: Callable[..., Pool],
+    start_pool: Callable[..., Pool], redis_url: str
 ) -> None:
     """The admin PATCH answers while a load is in flight (it never waits for enforcement), and
-    the load that commits after the limit dropped is re-checked: the pool converges to the new
-    limit with the freshly loaded model kept and the idle one evicted."""
+    the load that commits after the limit dropped — and only that one — asks for a re-check:
+    its ready event says so, and the pass that handles it leaves the pool at the new limit.
+    The passes are run by hand, so no timer pass can do the re-check's work unseen."""
     pool = start_pool(pool={"max_loaded_models": 2}, debug={"fault_injection": True})
     c = client_for(pool)
-    assert chat(c, "a").status_code == 200
+    assert chat(c, "a").status_code == 200  # decided and committed under unchanged limits
     faults = {"load_delay_s": {"b": 60}}
     assert c.post("/admin/faults", json=faults, headers=ADMIN).status_code == 200
     tb, rb = in_thread(lambda: chat(client_for(pool), "b"))
     pool.wait_for(lambda: pool.state("b") == "loading", what="b loading")
+    co = hand_driven_leader(pool, redis_url)
 
     resp = c.patch("/admin/config", json={"pool": {"max_loaded_models": 1}}, headers=ADMIN)
     assert resp.status_code == 200
     assert pool.state("b") == "loading", "the PATCH returned only after the load"
     # The pass enforces at once what it can: `a` is idle and goes; `b` stays loading.
+    co.step(co.collect_events(0.01))
     pool.wait_for(lambda: pool.state("a") == "unloaded", what="a evicted")
     assert pool.state("b") == "loading"
 
@@ -65,8 +78,14 @@ def test_patch_returns_during_a_slow_load_and_the_late_commit_is_rechecked(
     c.post("/admin/faults", json={"load_delay_s": {"b": 0}}, headers=ADMIN)
     tb.join(120)
     assert rb and rb[0].status_code == 200
-    pool.wait_for(lambda: pool.resident() == {"b"}, what="pool at the new limit")
+    events = co.collect_events(0.01)
+    ready = [e for e in events if e.type is EventType.READY]
+    assert [(e.model, e.data.get("recheck")) for e in ready] == [("b", True)]
+    co.step(events)
+    assert pool.resident() == {"b"}
+    hand_back_lease(co)
     assert counter(pool, "residency_load_commit_rechecks_total", model="b") == 1
+    assert counter(pool, "residency_load_commit_rechecks_total", model="a") == 0
     assert loads(pool, "b") == 1 and loads(pool, "a") == 1
 
 
@@ -160,13 +179,15 @@ def test_the_retry_job_wakes_the_leader_while_the_pool_stays_blocked(
 def test_a_burst_of_changes_costs_one_pass_and_ends_at_the_last_change(
     start_pool: Callable[..., Pool], redis_url: str
 ) -> None:
-    """Rule 6: 20 config changes queued while the coordinator is between passes are handled by
-    one pass, and its record shows the last change."""
+    """Rule 6: 20 config changes queued while the leader is between passes are handled by one
+    pass of its own loop (counted by the passes metric, and by the pass that evicts), and its
+    record shows the last change."""
     pool = start_pool(pool={"max_loaded_models": 3})
     c = client_for(pool)
     for m in ("a", "b", "c"):
         assert chat(c, m).status_code == 200
     co = hand_driven_leader(pool, redis_url)
+    config_passes = counter(pool, "residency_enforcement_passes_total", trigger="config")
     gens = []
     for i in range(20):
         limit = 3 if i % 2 else 2
@@ -176,36 +197,61 @@ def test_a_burst_of_changes_costs_one_pass_and_ends_at_the_last_change(
         assert resp.status_code == 200
         gens.append(resp.get_json()["generation"])
     assert gens == sorted(gens) and len(set(gens)) == 20
+    assert pool.r.llen(keys.events()) == 20
 
-    co.renew()
-    events = co.collect_events(0.01)
-    assert sum(1 for e in events if e.type is EventType.CONFIG) == 20
-    before = co.passes
-    co.step(events)
-    assert co.passes == before + 1
+    loop = threading.Thread(target=co.run, daemon=True)
+    loop.start()
+    # Its first pass, then passes for what followed (the evicted processes' events, timers).
+    pool.wait_for(lambda: co.passes >= 3, what="the leader's loop running on")
+    hand_back_lease(co)
+    loop.join(30)
+    assert counter(pool, "residency_enforcement_passes_total", trigger="config") == (
+        config_passes + 1
+    )
     h = health(pool)
     assert h["generation"] > gens[-1]  # type: ignore[operator]
     assert h["max_models"]["llm"] == {"configured": 1, "effective": 1}  # type: ignore[index]
-    evicted = [m for _, m, reason in co.effects.evictions if reason == "limit"]
-    assert evicted == ["a", "b"]
-    co.resign()
+    evicted = [(n, m) for n, m, reason in co.effects.evictions if reason == "limit"]
+    assert evicted == [(1, "a"), (1, "b")]
 
 
 def test_a_deposed_leader_applies_and_publishes_nothing(
     start_pool: Callable[..., Pool], redis_url: str
 ) -> None:
-    """A pass by a coordinator that lost its lease (paused past the lease TTL) is dropped."""
+    """A leader begins a pass that has work to do (the limit dropped below the residents); while
+    it reads the pool it is paused past its lease and another coordinator takes over. The rest
+    of the pass changes no key at all: no eviction, no limits, no record (the new leader's
+    stays), the inbox untouched. The new leader's pass then does the work."""
     pool = start_pool(pool={"max_loaded_models": 2})
     c = client_for(pool)
     assert chat(c, "a").status_code == 200
-    stale = Coordinator(pool.box, connect(redis_url))
-    stale.is_leader = True  # believes it still leads; the lease is someone else's
-    before = health(pool)["generation"]
-    pool.r.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
-    assert stale.step([Event(EventType.CONFIG)]) == []
-    assert not stale.is_leader
-    pool.wait_for(lambda: health(pool)["generation"] != before, what="the leader's next record")
-    assert pool.resident() == {"a"}
+    assert chat(c, "b").status_code == 200
+    newer = Coordinator(pool.box, connect(redis_url))
+    before: dict[bytes, bytes | None] = {}
+
+    def paused_then_deposed() -> float:
+        # First read of the clock: the pass reads the pool. Meanwhile, the lease moves on.
+        if not before:
+            pool.r.set(keys.leader(), newer.lease_token, px=keys.LEADER_TTL_MS)
+            newer.is_leader = True
+            pool.r.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
+            before.update(everything(redis_url, but=(keys.worker(pool.agent.host),)))
+        return time.time()
+
+    deposed = hand_driven_leader(pool, redis_url)
+    deposed.clock = paused_then_deposed
+    resp = c.patch("/admin/config", json={"pool": {"max_loaded_models": 1}}, headers=ADMIN)
+    assert resp.status_code == 200
+    assert deposed.step(deposed.collect_events(0.01)) == []
+    assert before and not deposed.is_leader
+    assert everything(redis_url, but=(keys.worker(pool.agent.host),)) == before
+    assert pool.resident() == {"a", "b"}
+
+    newer.step(newer.collect_events(0.01))
+    pool.wait_for(lambda: len(pool.resident()) == 1, what="the newer leader's eviction")
+    assert health(pool)["max_models"]["llm"]["configured"] == 1  # type: ignore[index]
+    hand_back_lease(deposed)
+    newer.resign()
 
 
 def test_changes_that_follow_the_first_within_a_quiet_spell_join_its_pass(
@@ -224,3 +270,62 @@ def test_changes_that_follow_the_first_within_a_quiet_spell_join_its_pass(
     t.join(10)
     assert [len(b) for b in batch] == [6]
     co.resign()
+
+
+def test_the_floor_and_the_helper_set_come_from_one_snapshot(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """Rule 7: policies are swapped back and forth as fast as Redis takes them (two of them:
+    ``p`` with candidates a, b and the LLM router c; ``q`` with candidate a and no helper) while
+    the leader runs passes. Every record it publishes pairs the candidate floor, the per-policy
+    breakdown and the routing-helper set of one and the same policy state."""
+    pool = start_pool()
+    router = {"type": "llm", "model": "c", "prompt": "Pick a model.", "max_tokens": 16}
+    specs = {
+        "p": {"candidates": ["a", "b"], "default": "a", "router": router},
+        "q": {"candidates": ["a"], "default": "a", "rules": []},
+    }
+    candidates = {"p": {"a", "b"}, "q": {"a"}}
+    stop = threading.Event()
+    seen: dict[int, dict[str, object]] = {}
+
+    def swap() -> None:
+        r = connect(str(pool.box.redis_url))
+        while not stop.is_set():
+            for add, drop in (("p", "q"), ("q", "p")):
+                policy_store.put(r, policy_store.PolicyEntry(add, specs[add], "admin"), "test")
+                policy_store.delete(r, drop, "test")
+
+    def record() -> None:
+        r = connect(str(pool.box.redis_url))
+        while not stop.is_set():
+            h = json.loads(str(r.hget(keys.health(), "record")))
+            seen[h["generation"]] = h
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (swap, record)]
+    for t in threads:
+        t.start()
+    try:
+        pool.wait_for(
+            lambda: (
+                len(seen) >= 30
+                and {tuple(h["llm_pool_autosize"]["policies"]) for h in seen.values()}  # type: ignore[index]
+                >= {("p",), ("q",)}
+            ),
+            timeout=120,
+            what="records of both policy states",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    for gen, h in seen.items():
+        autosize = h["llm_pool_autosize"]
+        names = set(autosize["policies"])  # type: ignore[index]
+        floor = len(set().union(*(candidates[n] for n in names)))
+        helpers = ["c"] if "p" in names else []
+        assert (autosize["candidate_floor"], h["routing_helpers"]) == (floor, helpers), (  # type: ignore[index]
+            gen,
+            names,
+        )
+        assert autosize["policies"] == {n: len(candidates[n]) for n in names}, gen  # type: ignore[index]

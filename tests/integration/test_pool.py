@@ -226,24 +226,33 @@ def test_lowering_the_limit_shrinks_the_pool_without_a_new_load(
 
 
 def test_health_is_one_record_and_a_stale_one_never_replaces_it(
-    start_pool: Callable[..., Pool],
+    start_pool: Callable[..., Pool], redis_url: str
 ) -> None:
     """Rules 6 and 7: /health is one published record with its generation; a publish stamped
-    with an older generation, or by a caller that lost the lease, is refused."""
+    with an older generation, or by a caller that lost the lease, is refused and leaves the
+    record exactly as it was."""
+    from coordinator.loop import Coordinator
+    from residency.box import connect
+
     pool = start_pool()
     c = client_for(pool)
     h = c.get("/health").get_json()
     gen = h["generation"]
     assert gen >= 1 and h["max_models"]["llm"]["configured"] == 1
-    lease = pool.coordinator.lease_token
-    assert pool.coordinator.scripts.publish_health(gen - 1, {"status": "x"}, lease=lease) == (
-        "stale"
-    )
-    assert pool.coordinator.scripts.publish_health(gen + 99, {"status": "x"}, lease="other") == (
-        "not_leader"
-    )
-    assert c.get("/health").get_json()["generation"] >= gen
-    assert c.get("/health").get_json().get("status") == "ok"
+    # The lease goes to a coordinator that runs no passes, so the only publishes from here on
+    # are the test's: the running one stands by at its next renewal.
+    holder = Coordinator(pool.box, connect(redis_url))
+    pool.r.set(keys.leader(), holder.lease_token, px=keys.LEADER_TTL_MS)
+    pool.wait_for(lambda: not pool.coordinator.is_leader, what="the old leader standing by")
+    before = pool.r.hgetall(keys.health())
+    stored = int(before["generation"])
+    assert stored >= gen
+    record = {"status": "x"}
+    assert holder.scripts.publish_health(stored - 1, record, lease=holder.lease_token) == "stale"
+    old = pool.coordinator.lease_token
+    assert pool.coordinator.scripts.publish_health(stored + 99, record, lease=old) == "not_leader"
+    assert pool.r.hgetall(keys.health()) == before
+    pool.r.delete(keys.leader())  # the running coordinator leads again
     resp = c.patch("/admin/config", json={"pool": {"max_loaded_models": 2}}, headers=ADMIN)
     newer = resp.get_json()["generation"]
     assert newer > gen

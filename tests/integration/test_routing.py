@@ -211,7 +211,7 @@ def test_bad_policy_is_rejected_naming_the_field(start_pool: Callable[..., Pool]
 def remote_server(start_pool: Callable[..., Pool]) -> Iterator[tuple[Pool, str]]:
     """A second OpenAI-compatible server: this box's own web app on a real socket, so a remote
     model entry can point at it."""
-    pool = start_pool(pool={"max_loaded_models": 2})
+    pool = start_pool(pool={"max_loaded_models": 2}, server={"allow_local_remotes": True})
     server = make_server("127.0.0.1", 0, create_remote_app(pool), threaded=True)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()

@@ -22,9 +22,11 @@ from residency import keys, registry
 from residency.box import Box
 from residency.errors import ApiError, slots_pinned
 from residency.messages import ReplyType, Request
+from residency.redis_server import EmbeddedRedis
 from residency.settings import ModelSpec
 from residency.work import add_reply
 from web import create_app
+from web.state import PROBE_TIMEOUT_S
 
 ADMIN = "test-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -425,10 +427,12 @@ def test_admin_residency_control(client: FlaskClient, rc: redis.Redis) -> None:
     assert assert_envelope(resp, 400)["param"] == "pinned"
 
 
-def test_faults_only_when_enabled(client: FlaskClient, rc: redis.Redis) -> None:
+def test_faults_only_when_enabled(client: FlaskClient, box: Box, rc: redis.Redis) -> None:
     body = {"hold": {"tiny": True}, "memory_pressure": 0.5}
     assert_envelope(client.post("/admin/faults", json=body, headers=AUTH), 404)
-    patch(client, {"debug": {"fault_injection": True}})
+    # Restart-only: a process started with it on (here through the environment).
+    box.environ = {**box.environ, "RESIDENCY_DEBUG_FAULT_INJECTION": "true"}
+    client = create_app(box).test_client()
     resp = client.post("/admin/faults", json=body, headers=AUTH)
     assert resp.get_json() == {"faults": {"hold:tiny": "1", "memory_pressure": "0.5"}}
     resp = client.post("/admin/faults", json={"hold": {"tiny": False}}, headers=AUTH)
@@ -450,10 +454,14 @@ def test_ops_endpoints(client: FlaskClient, rc: redis.Redis) -> None:
     assert client.get("/readyz").status_code == 200
 
     resp = client.get("/health")
-    assert (resp.status_code, resp.get_json()) == (503, {"status": "starting"})
+    assert (resp.status_code, resp.get_json()) == (
+        503,
+        {"status": "starting", "config_error": None},
+    )
     record = {"status": "ok", "generation": 1, "models": [], "max_models": {}}
     rc.hset(keys.health(), mapping={"generation": 7, "record": json.dumps(record)})
-    assert client.get("/health").get_json()["generation"] == 7
+    health = client.get("/health").get_json()
+    assert (health["generation"], health["config_error"]) == (7, None)
 
     resp = client.get("/metrics")
     assert resp.status_code == 200
@@ -470,7 +478,48 @@ def test_redis_down_is_503(tmp_path: Path) -> None:
     )
     client = create_app(box).test_client()
     resp = client.post("/v1/chat/completions", json=CHAT)
-    assert_envelope(resp, 503, "not_ready")
+    assert_envelope(resp, 503, "redis_unavailable")
     assert "Retry-After" in resp.headers
     assert client.get("/livez").status_code == 200
     assert client.get("/readyz").status_code == 503
+
+
+def test_redis_stopped_mid_run_is_503_until_it_is_back(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
+    box = Box(
+        data_dir=tmp_path,
+        config_path=None,
+        redis_url=server.start(),
+        environ={"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "5"},
+    )
+    try:
+        app = create_app(box)
+        client = app.test_client()
+        # Served while Redis is up (an unknown model is a Redis lookup: 404).
+        assert_envelope(client.post("/v1/chat/completions", json=CHAT), 404, "model_not_found")
+        assert client.get("/admin/config", headers=AUTH).status_code == 200
+
+        server.stop()
+        for resp in (
+            client.post("/v1/chat/completions", json=CHAT),
+            client.get("/v1/models"),
+            client.get("/admin/config", headers=AUTH),
+            client.get("/admin/models", headers=AUTH),
+            client.get("/health"),
+        ):
+            assert_envelope(resp, 503, "redis_unavailable")
+            assert int(resp.headers["Retry-After"]) > 0
+        resp = client.get("/readyz")
+        assert resp.status_code == 503 and "Retry-After" in resp.headers
+        assert resp.get_json()["reasons"] == ["Redis unreachable: ConnectionError"]
+        # The readiness probe's client gives up at once: short timeouts and no retries.
+        probe = app.extensions["residency"].probe
+        assert probe.connection_pool.connection_kwargs["socket_timeout"] == PROBE_TIMEOUT_S
+        assert probe.get_retry() is not None and probe.get_retry().get_retries() == 0
+        assert client.get("/livez").status_code == 200
+
+        server.start()  # the same socket again: the same clients reconnect
+        assert_envelope(client.post("/v1/chat/completions", json=CHAT), 404, "model_not_found")
+        assert client.get("/admin/config", headers=AUTH).status_code == 200
+    finally:
+        server.stop()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from coordinator.decide import (
+    Backoff,
     Evict,
+    Forget,
     Load,
     ModelView,
     Reap,
@@ -11,8 +13,10 @@ from coordinator.decide import (
     Snapshot,
     Wait,
     WorkerView,
+    backoff_until,
     decide,
     effective_limit,
+    forgettable,
     lru_victims,
 )
 from residency.states import ModelState as S
@@ -33,7 +37,7 @@ def snap(*models: ModelView, limit: int = 1, emb_limit: int = 1, **kw: object) -
         models={m.name: m for m in models},
         workers=kw.pop("workers", W),  # type: ignore[arg-type]
         limits={"llm": limit, "embedding": emb_limit},
-        now=1000.0,
+        now=kw.pop("now", 1000.0),  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )
 
@@ -148,6 +152,102 @@ def test_dead_host_is_reaped() -> None:
 def test_stuck_load_is_reaped_after_timeout() -> None:
     acts = decide(snap(mv("a", S.LOADING, loading_since=100.0), load_timeout_s=600.0))
     assert acts == [Reap("a", "t-a", "load_timeout")]
+
+
+def reporting(children: dict[str, str], at: float) -> dict[str, WorkerView]:
+    return {"box1": WorkerView("box1", ("cpu",), children=children, children_at=at)}
+
+
+def test_ready_model_whose_agent_reports_no_process_is_reaped() -> None:
+    """The agent forgot the process before releasing its state: the report, read after the
+    load committed, lacks this load's token."""
+    acts = decide(snap(mv("a", S.READY, loaded_at=500.0), workers=reporting({}, 510.0)))
+    assert acts == [Reap("a", "t-a", "no_process")]
+    # A process of another (older) load of the same model does not back this one either.
+    old = reporting({"a": "t-older"}, 510.0)
+    assert decide(snap(mv("a", S.READY, loaded_at=500.0), workers=old)) == [
+        Reap("a", "t-a", "no_process")
+    ]
+    draining = mv("a", S.DRAINING, loaded_at=500.0, draining_since=990.0)
+    assert decide(snap(draining, workers=reporting({}, 995.0))) == [Reap("a", "t-a", "no_process")]
+
+
+def test_a_report_read_before_the_commit_or_showing_the_process_reaps_nothing() -> None:
+    early = reporting({}, 499.0)  # read before the process committed: it proves nothing
+    assert decide(snap(mv("a", S.READY, loaded_at=500.0), workers=early)) == []
+    backed = reporting({"a": "t-a"}, 510.0)
+    assert decide(snap(mv("a", S.READY, loaded_at=500.0), workers=backed)) == []
+    # An agent that does not report its children is never taken at its silence.
+    assert decide(snap(mv("a", S.READY, loaded_at=500.0))) == []
+    # Loading models are left to the load timeout (the agent may not have taken the command).
+    loading = mv("a", S.LOADING, loading_since=990.0)
+    assert decide(snap(loading, workers=reporting({}, 995.0))) == []
+
+
+def test_draining_too_long_without_a_reported_process_is_reaped() -> None:
+    stuck = mv("a", S.DRAINING, draining_since=1000.0 - 61.0)
+    assert decide(snap(stuck, drain_timeout_s=60.0)) == [Reap("a", "t-a", "drain_timeout")]
+    recent = mv("a", S.DRAINING, draining_since=1000.0 - 59.0)
+    assert decide(snap(recent, drain_timeout_s=60.0)) == []
+    # Its process is still there (slow to exit): the agent, not the reaper, deals with it.
+    backed = reporting({"a": "t-a"}, 990.0)
+    assert decide(snap(stuck, drain_timeout_s=60.0, workers=backed)) == []
+
+
+def test_three_failures_in_the_window_fail_fast_until_the_oldest_leaves_it() -> None:
+    fails = (200.0, 400.0, 700.0)
+    m = mv("x", S.FAILED, queued=2, failures=fails, last_error="bad magic")
+    s = snap(m, failure_limit=3, failure_window_s=900.0)
+    assert backoff_until(m, s) == 200.0 + 900.0
+    assert decide(s) == [Backoff("x", 1100.0, 3, "bad magic")]
+    # Once the oldest failure leaves the window the model may load again.
+    later = snap(m, failure_limit=3, failure_window_s=900.0, now=1100.0)
+    assert backoff_until(m, later) is None
+    assert decide(later) == [Load("x", "box1", "cpu")]
+    # Two failures are not a loop yet; nor are three spread over more than the window.
+    two = mv("x", S.FAILED, queued=1, failures=(400.0, 700.0))
+    assert decide(snap(two, failure_limit=3, failure_window_s=900.0)) == [Load("x", "box1", "cpu")]
+
+
+def test_backoff_until_counts_from_the_limit_th_newest_failure() -> None:
+    m = mv("x", failures=(200.0, 300.0, 600.0, 700.0), queued=1)
+    # Four in the window: the count drops below three once two have left, i.e. when 300 does.
+    assert backoff_until(m, snap(m, failure_limit=3, failure_window_s=900.0)) == 300.0 + 900.0
+
+
+def test_a_model_in_backoff_takes_no_slot_and_evicts_nothing() -> None:
+    acts = decide(
+        snap(
+            mv("x", S.FAILED, queued=1, failures=(800.0, 900.0, 950.0), last_error="boom"),
+            mv("y", S.READY, last_used=1.0),
+            mv("z", queued=1, demand_since=5.0),
+            limit=2,
+        )
+    )
+    assert of(Load, acts) == [Load("z", "box1", "cpu")]
+    assert of(Evict, acts) == []
+    assert of(Backoff, acts) == [Backoff("x", 1700.0, 3, "boom")]
+    # Without waiting requests there is nothing to answer.
+    idle = mv("x", S.FAILED, failures=(800.0, 900.0, 950.0))
+    assert decide(snap(idle)) == []
+
+
+def test_forgettable_hosts_and_models() -> None:
+    workers = {
+        "gone": WorkerView("gone", (), alive=False),
+        "gone-busy": WorkerView("gone-busy", (), alive=False),
+        "box1": WorkerView("box1", ("cpu",)),
+    }
+    s = snap(
+        mv("held", S.READY, host="gone-busy", device="cpu"),
+        mv("deleted", S.UNLOADED, registered=False),
+        mv("deleted-failed", S.FAILED, registered=False),
+        mv("deleted-queued", S.UNLOADED, registered=False, queued=1),
+        mv("deleted-resident", S.READY, registered=False),
+        mv("kept", S.UNLOADED),
+        workers=workers,
+    )
+    assert forgettable(s) == Forget(("gone",), ("deleted", "deleted-failed"))
 
 
 def test_deleted_model_is_evicted_when_idle() -> None:

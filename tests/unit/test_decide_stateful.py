@@ -6,13 +6,18 @@ requests arrive, queue, are served one at a time by a ready model and end; loads
 any number of other events, limit changes included) or fail; drains complete or are rescued by
 work that arrived meanwhile; limits change (unlimited included), models are pinned and unpinned,
 deleted and registered again, moved into and out of the routing-helper pool by policy changes,
-loaded and unloaded explicitly; hosts die and come back; model processes die; device memory
-passes the auto_evict threshold. After every coordinator pass and every step it checks:
+loaded and unloaded explicitly; hosts die and come back; model processes die, or vanish while
+their state stays (an agent that forgot a child before releasing it); loads fail often enough to
+put a model in backoff; device memory passes the auto_evict threshold. After every coordinator
+pass and every step it checks:
 
 - no busy model is ever chosen as a victim, and no pinned one for any reason but an admin unload;
 - a pass never admits a load into a full pool, never loads a model that already holds a slot,
   and never loads one model twice (single flight);
 - every request that arrived is served, rejected with an answer, queued or in flight (none lost);
+- a model is reaped for want of a process only when its agent's report lacks it, and never
+  loaded while in backoff; a model in backoff has its waiting requests answered at once;
+- once settled, no model is ``ready`` or ``draining`` without a process;
 - once the traffic stops and the passes settle, every standard pool is within its effective limit
   unless every resident left above it is pinned.
 """
@@ -36,6 +41,7 @@ from coordinator.decide import (
     HELPER,
     STANDARD,
     Action,
+    Backoff,
     Blocked,
     Evict,
     Load,
@@ -45,6 +51,7 @@ from coordinator.decide import (
     Snapshot,
     Wait,
     WorkerView,
+    backoff_until,
     decide,
 )
 from residency.states import OCCUPYING
@@ -54,6 +61,7 @@ TYPES = {"a": "llm", "b": "llm", "c": "llm", "d": "llm", "x": "embedding", "y": 
 NAMES = sorted(TYPES)
 HOSTS = {"h1": ("cpu",), "h2": ("gpu0", "gpu1")}
 LOAD_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 30.0
 
 names = st.sampled_from(NAMES)
 hosts = st.sampled_from(sorted(HOSTS))
@@ -80,6 +88,10 @@ class Model:
     device: str | None = None
     loading_since: float | None = None
     load_seconds: float | None = None
+    process: bool = False  # a model process of this load runs (its agent reports it)
+    loaded_at: float | None = None
+    draining_since: float | None = None
+    failures: tuple[float, ...] = ()
 
     @property
     def token(self) -> str:
@@ -108,11 +120,17 @@ class Model:
             loaded_pool=self.loaded_pool,
             explicit=self.explicit,
             load_seconds=self.load_seconds,
+            loaded_at=self.loaded_at,
+            draining_since=self.draining_since,
+            failures=self.failures,
+            last_error="boom" if self.failures else None,
         )
 
     def free_slot(self) -> None:
         """The process is gone: its slot is free and its in-flight work goes back to the queue."""
         self.state = S.UNLOADED
+        self.process = False
+        self.draining_since = self.loaded_at = None
         self.host = self.device = self.loading_since = self.loaded_pool = None
         self.queued += self.in_flight
         self.in_flight = 0
@@ -138,6 +156,10 @@ class PoolMachine(RuleBasedStateMachine):
                 devs,
                 alive=self.alive[h],
                 memory={d: self.memory.get((h, d), 0.3) for d in devs},
+                children={
+                    m.name: m.token for m in self.models.values() if m.process and m.host == h
+                },
+                children_at=self.now,
             )
             for h, devs in HOSTS.items()
         }
@@ -149,6 +171,7 @@ class PoolMachine(RuleBasedStateMachine):
             load_timeout_s=LOAD_TIMEOUT_S,
             auto_evict=self.auto_evict,
             auto_evict_threshold=0.9,
+            drain_timeout_s=DRAIN_TIMEOUT_S,
         )
 
     def coordinator_pass(self) -> list[Action]:
@@ -183,6 +206,12 @@ class PoolMachine(RuleBasedStateMachine):
             assert m.registered and m.wants_load and m.explicit != "unload"
             assert snap.workers[a.host].alive and a.device in snap.workers[a.host].devices
             assert a.model not in {e.model for e in evicts}
+            assert backoff_until(m, snap) is None, f"{a.model} loaded while in backoff"
+        for a in actions:
+            if isinstance(a, Backoff):
+                m = snap.models[a.model]
+                assert not m.occupying and m.registered and m.wants_load
+                assert backoff_until(m, snap) == a.until > snap.now
         # Admission never overfills a pool: loads go only into free slots.
         admitted = Counter((snap.models[a.model].type, snap.models[a.model].pool) for a in loads)
         for (typ, pool), n in admitted.items():
@@ -240,9 +269,15 @@ class PoolMachine(RuleBasedStateMachine):
             if isinstance(a, Reap):
                 m = snap.models[a.model]
                 assert m.occupying
-                assert not self.alive[m.host or ""] or (
-                    m.state is S.LOADING and self.now - (m.loading_since or 0) > LOAD_TIMEOUT_S
-                )
+                if a.reason == "host_gone":
+                    assert not self.alive[m.host or ""]
+                elif a.reason == "load_timeout":
+                    assert m.state is S.LOADING
+                    assert self.now - (m.loading_since or 0) > LOAD_TIMEOUT_S
+                else:
+                    assert a.reason in ("no_process", "drain_timeout"), a.reason
+                    assert m.state in (S.READY, S.DRAINING)
+                    assert not self.models[a.model].process, f"{a.model} reaped with a process"
 
     def apply(self, actions: list[Action]) -> None:
         """What Effects does, each write a compare-and-set on the model's state and token."""
@@ -253,16 +288,19 @@ class PoolMachine(RuleBasedStateMachine):
                 if m.queued and m.demand_since is None:
                     m.demand_since = self.now
             elif isinstance(a, Evict) and m and m.token == a.token and m.state is S.READY:
-                m.state = S.DRAINING
+                m.state, m.draining_since = S.DRAINING, self.now
             elif isinstance(a, Load) and m and m.state in (S.UNLOADED, S.FAILED):
                 m.state, m.host, m.device = S.LOADING, a.host, a.device
+                m.process = True  # the agent spawns it (and reports it) at once
                 m.loads += 1
                 m.loading_since, m.loaded_pool = self.now, m.pool
                 if m.explicit == "load":
                     m.explicit = None
-            elif isinstance(a, Reject) and m:
+            elif isinstance(a, Reject | Backoff) and m:
                 self.rejected += m.queued
                 m.queued, m.demand_since = 0, None
+                if isinstance(a, Backoff):
+                    m.explicit = None
 
     def clear_stale_explicit(self) -> None:
         for m in self.models.values():
@@ -311,7 +349,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(name=names)
     def a_request_starts(self, name: str) -> None:
         m = self.models[name]
-        if m.state is S.READY and m.queued and not m.in_flight:
+        if m.state is S.READY and m.process and m.queued and not m.in_flight:
             m.queued -= 1
             m.in_flight = 1
             m.demand_since = self.now if m.queued else None
@@ -332,9 +370,10 @@ class PoolMachine(RuleBasedStateMachine):
         if ok:
             m.state = S.READY
             m.load_seconds = self.now - (m.loading_since or self.now)
-            m.last_used, m.loading_since = self.now, None
+            m.last_used, m.loading_since, m.loaded_at = self.now, None, self.now
         else:
-            m.state = S.FAILED
+            m.state, m.process = S.FAILED, False
+            m.failures = (*m.failures, self.now)
             m.host = m.device = m.loading_since = m.loaded_pool = None
             self.rejected += m.queued  # answered model_load_failed
             m.queued, m.demand_since = 0, None
@@ -344,8 +383,10 @@ class PoolMachine(RuleBasedStateMachine):
         m = self.models[name]
         if m.state is not S.DRAINING:
             return
+        if not m.process:
+            return  # nobody left to commit the unload: only the reaper frees the slot
         if m.queued or m.in_flight:
-            m.state = S.READY  # rescued: work arrived while it drained
+            m.state, m.draining_since = S.READY, None  # rescued: work arrived while it drained
         else:
             m.free_slot()
 
@@ -356,6 +397,14 @@ class PoolMachine(RuleBasedStateMachine):
             m.free_slot()
             if m.queued and m.demand_since is None:
                 m.demand_since = self.now
+
+    @rule(name=names)
+    def an_agent_loses_a_process_but_not_its_state(self, name: str) -> None:
+        """The process is gone and the agent forgot it, but the state was never released (a
+        Redis error in between): the model stays ready or draining with nothing behind it."""
+        m = self.models[name]
+        if m.state in (S.READY, S.DRAINING):
+            m.process = False
 
     @rule(host=hosts, alive=st.booleans())
     def a_host_goes_or_comes_back(self, host: str, alive: bool) -> None:
@@ -385,6 +434,8 @@ class PoolMachine(RuleBasedStateMachine):
         m = self.models[name]
         if m.registered:
             m.explicit = what
+            if what == "load":
+                m.failures = ()  # the admin API clears the backoff with the wish
 
     @rule(name=names, helper=st.booleans())
     def a_policy_changes(self, name: str, helper: bool) -> None:
@@ -420,8 +471,8 @@ class PoolMachine(RuleBasedStateMachine):
             for m in self.models.values():
                 if m.state is S.LOADING:
                     m.state, m.last_used = S.READY, self.now
-                    m.load_seconds, m.loading_since = 1.0, None
-                while m.state is S.READY and (m.queued or m.in_flight):
+                    m.load_seconds, m.loading_since, m.loaded_at = 1.0, None, self.now
+                while m.state is S.READY and m.process and (m.queued or m.in_flight):
                     if not m.in_flight:
                         m.queued -= 1
                         m.in_flight = 1
@@ -429,7 +480,7 @@ class PoolMachine(RuleBasedStateMachine):
                     self.served += 1
                     m.last_used = self.now
                 m.demand_since = self.now if m.queued else None
-                if m.state is S.DRAINING:
+                if m.state is S.DRAINING and m.process:
                     m.free_slot()
             self.now += 1.0
             actions = self.coordinator_pass()
@@ -455,6 +506,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert not (m.occupying and m.slot_pool == HELPER and m.pool != HELPER), (
                 f"unused helper {m.name} kept"
             )
+            assert not (m.state in (S.READY, S.DRAINING) and not self.models[m.name].process), (
+                f"{m.name} left {m.state} without a process"
+            )
 
     # -- invariants after every step ------------------------------------------------------------
 
@@ -469,6 +523,7 @@ class PoolMachine(RuleBasedStateMachine):
         for m in self.models.values():
             assert m.in_flight <= 1
             assert not m.in_flight or m.state is S.READY
+            assert not m.process or m.occupying, f"{m.name} has a process but no slot"
             assert (m.host is not None) == m.occupying, replace(m)
 
 

@@ -253,7 +253,7 @@ def test_evaluate_refuses_router_policy() -> None:
         evaluate("auto", p, inp("x"))
 
 
-def test_regex_input_is_capped_at_one_mib() -> None:
+def test_regex_input_is_capped() -> None:
     p = rules_policy({"id": "r", "match": {"regex": "NEEDLE"}, "route_to": "big"})
     far = "a" * pol.REGEX_INPUT_CAP + "NEEDLE"
     near = "é" * (pol.REGEX_INPUT_CAP // 2 - 3) + "NEEDLE"  # ends exactly at the cap
@@ -491,7 +491,7 @@ def test_every_problem_is_named_at_once() -> None:
         {
             "candidates": ["small", "small", "ghost"],
             "default": "nope",
-            "rules": [{"id": "r", "match": {"regex": "(a+)+"}, "route_to": "zzz"}],
+            "rules": [{"id": "r", "match": {"regex": r"(a)\1"}, "route_to": "zzz"}],
             "typo": True,
         }
     )
@@ -514,20 +514,6 @@ def test_policy_name(name: str, ok: bool) -> None:
         parse_policy(name, base(), MODELS)
     else:
         assert "name" in problems(base(), name=name)
-
-
-@pytest.mark.parametrize(
-    "pattern", ["(x+)+", "(a*)*", "(a+)*", "(?:x+)+", "(a{2,})+", "(?x)(a +) +"]
-)
-def test_nested_unbounded_quantifier_rejected(pattern: str) -> None:
-    assert "nested unbounded" in problems(one_rule({"regex": pattern}))["rules[0].match.regex"]
-
-
-@pytest.mark.parametrize(
-    "pattern", ["(ab)+", "a+b+", "(a{1,3})+", "(a+){3}", r"\(a+\)+", "[(a+)]+"]
-)
-def test_safe_quantifiers_accepted(pattern: str) -> None:
-    rules_policy({"id": "r", "match": {"regex": pattern}, "route_to": "big"})
 
 
 def _deep(depth: int) -> dict[str, Any]:

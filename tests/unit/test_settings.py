@@ -101,3 +101,31 @@ def test_every_key_declares_when_it_applies() -> None:
     assert meta["pool.max_loaded_models"]["applies"] == st.LIVE
     assert meta["server.port"]["applies"] == st.RESTART
     assert {m["applies"] for m in meta.values()} <= {st.LIVE, st.NEXT_LOAD, st.RESTART}
+
+
+@pytest.mark.parametrize("dotted", ["server.model_dirs", "debug.fault_injection"])
+def test_security_keys_are_restart_only_and_refused_by_a_patch(dotted: str) -> None:
+    assert st.key_meta()[dotted]["applies"] == st.RESTART
+    assert st.is_restart_only(dotted)
+    section, key = dotted.split(".")
+    value: object = ["/"] if key == "model_dirs" else True
+    with pytest.raises(st.SettingsError) as e:
+        st.validate_patch(st.build({}), {section: {key: value}})
+    assert list(e.value.problems) == [dotted]
+    assert "restart-only" in e.value.problems[dotted]
+    assert not st.is_restart_only("pool.max_loaded_models")
+
+
+def test_api_key_env_must_carry_the_remote_prefix() -> None:
+    remote = {"base_url": "http://10.0.0.5/v1"}
+    ok = st.build({"models": {"r": {**remote, "api_key_env": "RESIDENCY_REMOTE_OPENAI"}}})
+    assert ok.models["r"].api_key_env == "RESIDENCY_REMOTE_OPENAI"
+    for bad in ("RESIDENCY_ADMIN_KEY", "OPENAI_API_KEY", "RESIDENCY_REMOTE_"):
+        with pytest.raises(st.SettingsError) as e:
+            st.build({"models": {"r": {**remote, "api_key_env": bad}}})
+        assert "RESIDENCY_REMOTE_" in e.value.problems["models.r.api_key_env"]
+    # An entry stored before the rule still reads (the forwarder refuses to use it).
+    stored = st.ModelSpec.model_validate(
+        {**remote, "api_key_env": "OPENAI_API_KEY"}, context={st.STORED: True}
+    )
+    assert stored.api_key_env == "OPENAI_API_KEY"

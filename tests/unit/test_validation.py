@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from residency.errors import ApiError
+from web import validation
 from web.faults import parse_faults
 from web.validation import validate_chat, validate_completion, validate_embedding
 
@@ -349,3 +350,32 @@ def test_bad_faults(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as ei:
         parse_faults(body)
     assert (ei.value.status, ei.value.param) == (400, param)
+
+
+# --- JSON schema caps -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "param"),
+    [
+        ({"type": "string", "pattern": "^a{" + "9" * 5000 + "}$"}, "s.pattern"),
+        ({"type": "string", "pattern": "^a{2,257}$"}, "s.pattern"),
+        ({"anyOf": [{"type": "array", "maxItems": 1e9}]}, "s.anyOf[0].maxItems"),
+        ({"properties": {"a": {"minLength": 257}}}, "s.properties.a.minLength"),
+    ],
+)
+def test_schema_repeats_are_capped(schema: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        validation.check_schema("s", schema)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "schema_too_large")
+
+
+def test_schema_at_the_caps_passes() -> None:
+    validation.check_schema(
+        "s",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string", "pattern": "^[a-z]{1,256}$", "maxLength": 256}},
+            "description": "x" * (validation.MAX_SCHEMA_BYTES - 200),
+        },
+    )

@@ -1,0 +1,95 @@
+"""Model failures, recorded in one place (the coordinator leader): a failed load (the model
+process's or agent's ``load_failed`` event, or the reaper giving up on a ``loading`` model) and a
+crash of a ready process (a ``gone`` event marked ``crashed``). A model with
+``keys.LOAD_FAILURE_LIMIT`` failures within ``keys.LOAD_FAILURE_WINDOW_S`` is in backoff: the
+pure decision (``coordinator.decide.backoff_until``) answers its requests at once with the last
+cause instead of loading it again, until the window frees a slot or an admin loads it
+explicitly (which deletes the window)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from importlib.resources import files
+from typing import cast
+
+import redis
+
+from residency import errors, keys, work
+from residency.lua import NotLeader
+from residency.messages import Event, EventType
+from residency.states import ModelState
+
+log = logging.getLogger("residency.coordinator")
+
+_RECORD = files("residency").joinpath("lua", "record_failure.lua").read_text()
+
+
+def load_failed(model: str, reason: str) -> errors.ApiError:
+    return errors.ApiError(
+        500,
+        f"model '{model}' failed to load: {reason}",
+        type="server_error",
+        code="model_load_failed",
+    )
+
+
+def load_backoff(
+    model: str, *, until: float, now: float, failures: int, last_error: str
+) -> errors.ApiError:
+    """503 for a request to a model in a crash loop: names the last cause, and Retry-After is
+    when the window frees a slot (an admin load clears it sooner)."""
+    wait = max(1, math.ceil(until - now))
+    return errors.ApiError(
+        503,
+        f"model '{model}' failed {failures} times in the last "
+        f"{keys.LOAD_FAILURE_WINDOW_S // 60} minutes (last: {last_error}); not loading it again "
+        f"for {wait} s (POST /admin/models/{model}/load retries now)",
+        type="server_error",
+        code="model_load_backoff",
+        retry_after=wait,
+    )
+
+
+def record(r: redis.Redis, model: str, token: str, error: str, now: float, *, lease: str) -> str:
+    """Add one failure to the model's window: 'ok' or 'duplicate' (this load token's failure is
+    already counted). A deposed leader records nothing: NotLeader."""
+    member = json.dumps({"token": token, "error": error[:500], "at": now}, sort_keys=True)
+    res = r.register_script(_RECORD)(
+        keys=[keys.load_failures(model), keys.leader()],
+        args=[lease, token, member, now, keys.LOAD_FAILURE_WINDOW_S],
+    )
+    out = res.decode() if isinstance(res, bytes) else str(res)
+    if out == "not_leader":
+        raise NotLeader(f"failure of {model} not recorded")
+    return out
+
+
+def on_event(r: redis.Redis, ev: Event, now: float, *, lease: str) -> None:
+    """Count the failure an event reports; on a failed load, answer the requests queued for
+    that load with its cause — only while the model is still ``failed`` with the event's token:
+    the event may arrive after a newer load took the model (the agent reports the process gone
+    first, and a pass in between starts a new load), and the queue is then that load's."""
+    token = str(ev.data.get("token") or "")
+    if ev.type is EventType.GONE:
+        # Only an unasked death of a process that held its model counts (a signal, an abort);
+        # without the token it cannot be told apart from the load failure it may also be.
+        if ev.data.get("crashed") and token:
+            record(r, ev.model, token, f"crashed: {ev.data.get('reason', '')}", now, lease=lease)
+        return
+    if ev.type is not EventType.LOAD_FAILED:
+        return
+    reason = str(ev.data.get("error") or "unknown error")
+    record(r, ev.model, token, reason, now, lease=lease)
+    state, cur = cast(list[str | None], r.hmget(keys.model(ev.model), ["state", "token"]))
+    if state != ModelState.FAILED.value or (token and cur != token):
+        log.info(
+            "load of %s failed (%s); its queue now belongs to a newer load (%s)",
+            ev.model,
+            reason,
+            state,
+        )
+        return
+    n = work.fail_queued(r, ev.model, load_failed(ev.model, reason), lease=lease)
+    log.error("load of %s failed (%s); answered %d queued request(s)", ev.model, reason, n)
