@@ -413,6 +413,20 @@ def report(res: Results, total: int, elapsed: float, every: float) -> tuple[str,
         "|---|---|---|",
         *(f"| {a} | {b} | {c} |" for a, b, c in rows),
     ]
+    md += [
+        "",
+        "- answered with an error: a reply already under way when its model process was killed "
+        "(`model_process_exited`: a partial reply is never replayed) or when Redis was killed "
+        "(`redis_unavailable`: its reader lost Redis; a 503 before the reply began is retried "
+        "by the client and counted once, as its last answer)",
+        "- takeover: both coordinators run on this host, so the standby sees the leader's "
+        "process gone and frees its lease at its next poll (0.25 s); a standby on another host "
+        "waits out the lease: at most the TTL plus one poll",
+        "- final messages seen can exceed the requests (a reply finished for an attempt whose "
+        "client had got a 503 while Redis was down, and retried as a new request) or fall "
+        "short (written while MONITOR was reconnecting after a Redis restart): duplicated "
+        "counts the request ids seen with two",
+    ]
     if res.notes:
         md += ["", *(f"- {n}" for n in sorted(set(res.notes)))]
         text += "\n" + "\n".join(f"- {n}" for n in sorted(set(res.notes)))

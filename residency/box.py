@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from residency import keys, settings
 from residency.messages import Event, EventType
@@ -101,13 +103,18 @@ class Box:
 
 
 def connect(url: str) -> redis.Redis:
-    """Every role's Redis client. Timeouts everywhere: no call can wait forever."""
+    """Every role's Redis client. Timeouts everywhere: no call can wait forever. A failed
+    command is retried briefly (3 tries within about 0.3 s: a dropped connection to a live
+    server), not with redis-py's default backoff of seconds: during an outage each role has its
+    own retry (loops, the model process's backoff) and web answers 503 without making its client
+    wait."""
     return redis.Redis.from_url(
         url,
         decode_responses=True,
         socket_timeout=30,
         socket_connect_timeout=5,
         health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 3),
     )
 
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from residency import procs
 
@@ -48,6 +50,12 @@ def find_binary() -> str:
     )
 
 
+def _probe(socket: Path) -> redis.Redis:
+    """A client that answers at once whether a server listens: no retries (redis-py retries a
+    refused connection with backoff by default, about 4 s, which would delay every restart)."""
+    return redis.Redis(unix_socket_path=str(socket), socket_timeout=1, retry=Retry(NoBackoff(), 0))
+
+
 class EmbeddedRedis:
     def __init__(self, directory: Path, *, appendonly: bool = True) -> None:
         self.dir = directory
@@ -65,7 +73,7 @@ class EmbeddedRedis:
         if self.socket.exists():
             # A live server on this socket means another box owns this data dir.
             try:
-                redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1).ping()
+                _probe(self.socket).ping()
             except redis.RedisError:
                 self.socket.unlink()
             else:
@@ -86,7 +94,7 @@ class EmbeddedRedis:
             args, stdin=subprocess.DEVNULL, preexec_fn=procs.die_with_parent()
         )
         deadline = time.monotonic() + timeout
-        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1)
+        client = _probe(self.socket)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RedisServerError(
