@@ -97,3 +97,26 @@ def test_the_last_reply_and_the_processing_removal_are_one_step(
     assert cmds.index(last) < cmds.index(removals[0])
     assert r.llen(keys.processing("a")) == 0
     assert r.xrange(reply_key)[-1][1]["t"] == "done"
+
+
+def test_a_long_stream_renews_its_reply_ttl(
+    proc: ModelProcess, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream that runs longer than the reply TTL must not lose its key mid-reply: the TTL is
+    renewed while it runs (here on every flush, and the key is made to age between chunks)."""
+    import workers.model_process as mp
+
+    monkeypatch.setattr(mp, "RENEW_TTL_S", 0.0)
+    req = Request(new_request_id(), Kind.CHAT, "a", {}, True, time.time())
+    reply = keys.reply(req.id)
+
+    def chunks() -> Iterator[dict[str, Any]]:
+        for i in range(4):
+            if i:
+                r.expire(reply, 5)  # the key ages as a long stream's would
+                time.sleep(mp.FLUSH_EVERY_S * 2)  # so this chunk is due for a flush
+            yield {"choices": [{"delta": {"content": f"t{i}"}}]}
+
+    assert proc.stream(req, chunks()) is not None
+    ttl = int(r.ttl(reply))
+    assert ttl > 5, ttl
