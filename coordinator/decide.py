@@ -44,6 +44,9 @@ class ModelView:
     # Times of its recent failures (failed loads, crashes), oldest first, and the last cause.
     failures: tuple[float, ...] = ()
     last_error: str | None = None
+    # ``failed`` under a token whose failure the coordinator has not settled yet (counted, its
+    # waiting requests answered): settled before anything is decided for it.
+    failure_pending: bool = False
 
     @property
     def busy(self) -> bool:

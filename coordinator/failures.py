@@ -57,7 +57,7 @@ def record(r: redis.Redis, model: str, token: str, error: str, now: float, *, le
     already counted). A deposed leader records nothing: NotLeader."""
     member = json.dumps({"token": token, "error": error[:500], "at": now}, sort_keys=True)
     res = r.register_script(_RECORD)(
-        keys=[keys.load_failures(model), keys.leader()],
+        keys=[keys.load_failures(model), keys.leader(), keys.model(model)],
         args=[lease, token, member, now, keys.LOAD_FAILURE_WINDOW_S],
     )
     out = res.decode() if isinstance(res, bytes) else str(res)
@@ -78,18 +78,23 @@ def on_event(r: redis.Redis, ev: Event, now: float, *, lease: str) -> None:
         if ev.data.get("crashed") and token:
             record(r, ev.model, token, f"crashed: {ev.data.get('reason', '')}", now, lease=lease)
         return
-    if ev.type is not EventType.LOAD_FAILED:
+    if ev.type is EventType.LOAD_FAILED:
+        settle(r, ev.model, token, str(ev.data.get("error") or "unknown error"), now, lease=lease)
+
+
+def settle(r: redis.Redis, model: str, token: str, reason: str, now: float, *, lease: str) -> None:
+    """Settle a failed load once: count it, and answer the requests queued for it with its
+    cause. Whichever comes first settles — the load's ``load_failed`` event, or a pass that finds
+    the model ``failed`` without the ``failure_seen`` mark (every pass settles such models before
+    it decides, so no new load can start for a failure nobody has answered) — and the other
+    only finds it counted. Requests queued after that are the next load's. Nothing is answered
+    when a newer load already took the model (the event may arrive after one started)."""
+    state, cur, seen = cast(
+        list[str | None], r.hmget(keys.model(model), ["state", "token", "failure_seen"])
+    )
+    record(r, model, token, reason, now, lease=lease)
+    if state != ModelState.FAILED.value or (token and cur != token) or seen == cur:
+        log.info("load of %s failed (%s); already settled or superseded (%s)", model, reason, state)
         return
-    reason = str(ev.data.get("error") or "unknown error")
-    record(r, ev.model, token, reason, now, lease=lease)
-    state, cur = cast(list[str | None], r.hmget(keys.model(ev.model), ["state", "token"]))
-    if state != ModelState.FAILED.value or (token and cur != token):
-        log.info(
-            "load of %s failed (%s); its queue now belongs to a newer load (%s)",
-            ev.model,
-            reason,
-            state,
-        )
-        return
-    n = work.fail_queued(r, ev.model, load_failed(ev.model, reason), lease=lease)
-    log.error("load of %s failed (%s); answered %d queued request(s)", ev.model, reason, n)
+    n = work.fail_queued(r, model, load_failed(model, reason), lease=lease)
+    log.error("load of %s failed (%s); answered %d queued request(s)", model, reason, n)

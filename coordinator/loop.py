@@ -28,7 +28,7 @@ import redis
 
 from coordinator import failures, prune, retry, snapshot
 from coordinator.autosize import CONFIG_VERSION, Autosize
-from coordinator.decide import Action, Blocked, decide, forgettable, waits_for_idle
+from coordinator.decide import Action, Blocked, Snapshot, decide, forgettable, waits_for_idle
 from coordinator.effects import Effects, clear_stale_explicit
 from residency import keys, metrics, policy_store, registry
 from residency.box import Box, ConfigStore
@@ -366,6 +366,8 @@ class Coordinator:
             rd = snapshot.read(self.r, s, self.clock())
             if i == 0 and not self.sync_limits(gen, rd):
                 return []  # not the leader any more: a deposed pass applies nothing
+            if self.settle_failures(rd.snap):
+                rd = snapshot.read(self.r, s, self.clock())
             clear_stale_explicit(self.scripts, rd.snap, lease=self.lease_token)
             actions = decide(rd.snap)
             if not self.effects.apply(actions, rd.snap, rd.model_hashes, s):
@@ -385,6 +387,16 @@ class Coordinator:
         # is still blocked.
         self.track_deferral(blocked)
         return actions
+
+    def settle_failures(self, snap: Snapshot) -> bool:
+        """Settle every failed load whose event has not done so yet (``failures.settle``), before
+        the pass decides: a load that failed is answered, never silently retried by a load that
+        a pass started in between. Returns whether any was settled (then the pool is re-read)."""
+        pending = [m for m in snap.models.values() if m.failure_pending]
+        for m in pending:
+            reason = m.last_error or "unknown error"
+            failures.settle(self.r, m.name, m.token, reason, snap.now, lease=self.lease_token)
+        return bool(pending)
 
     def sync_limits(self, gen: int, rd: snapshot.Read) -> bool:
         """Record the limits this pass enforces (stamped with ``gen`` when they changed); loads

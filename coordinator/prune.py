@@ -61,6 +61,7 @@ def forget(r: redis.Redis, what: Forget, *, lease: str) -> dict[str, list[str]]:
                     keys.models_with_state(),
                     keys.registry(),
                     keys.leader(),
+                    keys.progress(model),
                 ],
                 args=[lease, model, _OCCUPYING],
             )

@@ -47,11 +47,20 @@ def _failures(
         except (ValueError, AttributeError):
             continue
     times = tuple(float(t) for _, t in raw)
-    token = h.get("token")
-    if h.get("state") == states.ModelState.FAILED.value and token and token not in tokens:
+    if _failure_pending(h) and h.get("token") not in tokens:
         times = (*times, now)
         last = h.get("error") or last
     return times, last
+
+
+def _failure_pending(h: dict[str, str]) -> bool:
+    """``failed`` under a token the coordinator has not settled (see ``failures.settle``)."""
+    token = h.get("token")
+    return (
+        h.get("state") == states.ModelState.FAILED.value
+        and bool(token)
+        and h.get("failure_seen") != token
+    )
 
 
 def _children(w: dict[str, str]) -> tuple[dict[str, str] | None, float | None]:
@@ -155,6 +164,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             draining_since=_f(h.get("draining_since")),
             failures=failures,
             last_error=last_error,
+            failure_pending=_failure_pending(h),
         )
     workers: dict[str, WorkerView] = {}
     worker_hashes: dict[str, dict[str, str]] = {}

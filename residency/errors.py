@@ -84,3 +84,38 @@ def queue_full(name: str, depth: int, retry_after: int = 1) -> ApiError:
 
 def not_ready(message: str, retry_after: int = 2) -> ApiError:
     return ApiError(503, message, type="server_error", code="not_ready", retry_after=retry_after)
+
+
+def deadline_exceeded(name: str, deadline_s: float) -> ApiError:
+    """A request not finished within ``server.request_deadline_s`` of its submit: stopped
+    (or never started) and answered with this."""
+    return ApiError(
+        504,
+        f"the request for '{name}' did not finish within its deadline ({deadline_s:g}s, "
+        "server.request_deadline_s); ask for fewer tokens or retry later",
+        type="server_error",
+        code="deadline_exceeded",
+    )
+
+
+def model_stalled(name: str, stall_s: float) -> ApiError:
+    """The process serving ``name`` was killed by the stall watchdog: its generation made no
+    progress for ``stall_s`` (``worker.stall_s``). Not retried: the request may be what hangs."""
+    return ApiError(
+        500,
+        f"the process serving '{name}' made no progress for {stall_s:g}s while running this "
+        "request (worker.stall_s) and was killed; the request is not retried",
+        type="server_error",
+        code="model_stalled",
+    )
+
+
+def client_closed(name: str) -> ApiError:
+    """The client went away before its reply began: its request was withdrawn. Nobody reads
+    this answer (it ends the web thread's wait)."""
+    return ApiError(
+        499,
+        f"the client closed the connection; the request for '{name}' was withdrawn",
+        type="server_error",
+        code="client_closed",
+    )

@@ -128,6 +128,15 @@ def cancel(request_id: str) -> str:
     return f"{PREFIX}cancel:{request_id}"
 
 
+def progress(name: str) -> str:
+    """string: the time (``time.time()``) a model's process last made progress while busy — it
+    took a request or generated tokens — TTL ``PROGRESS_TTL_S``. Written by that model process
+    (at most every ``workers.gate.PROGRESS_EVERY_S``); read by the agent's stall watchdog,
+    which treats any change of the value as progress (its own clock measures how long it has
+    not changed)."""
+    return f"{PREFIX}progress:{name}"
+
+
 def events() -> str:
     """list of event JSON, no TTL. The coordinator's inbox (demand, ready, idle, gone, config)."""
     return f"{PREFIX}events"
@@ -223,8 +232,9 @@ def metric_histogram(name: str) -> str:
 
 def faults() -> str:
     """hash of fault-injection settings (``load_delay_s:<model>``, ``fail_next_load``,
-    ``hold:<model>``, ``memory_pressure``). Written by ``POST /admin/faults`` only when
-    ``[debug] fault_injection`` is on; read by model processes."""
+    ``hold:<model>``, ``token_delay_s:<model>``, ``hang:<model>``, ``memory_pressure``).
+    Written by ``POST /admin/faults`` only when ``[debug] fault_injection`` is on; read by
+    model processes."""
     return f"{PREFIX}faults"
 
 
@@ -234,6 +244,7 @@ def audit() -> str:
 
 
 REPLY_TTL_S = 600
+PROGRESS_TTL_S = 3600
 WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000

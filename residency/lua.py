@@ -156,6 +156,7 @@ class Scripts:
                 "lease",
                 "acquire",
                 "fenced",
+                "withdraw",
             )
         }
 
@@ -381,6 +382,16 @@ class Scripts:
         )
         if _s(res) == "not_leader":
             raise NotLeader(f"rejecting a request of {model} refused")
+        return bool(res)
+
+    def withdraw(self, model: str, request_id: str, item: str, *, cancel: bool) -> bool:
+        """Take ``item`` out of ``model``'s queue if no model process took it yet (True);
+        otherwise, with ``cancel``, set its cancel flag so the process that took it stops."""
+        res = self._run(
+            "withdraw",
+            [keys.queue(model), keys.cancel(request_id), keys.reply(request_id)],
+            [item, "1" if cancel else "0", keys.REPLY_TTL_S],
+        )
         return bool(res)
 
     def publish_health(self, generation: int, record: dict[str, Any], *, lease: str) -> str:

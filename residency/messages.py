@@ -30,6 +30,8 @@ class Request:
     # How many times a model process died (unasked) while running this request: a request is
     # retried once after such a crash, and refused after the second (it may be what kills it).
     attempts: int = 0
+    # Wall-clock time (like ``submitted``) by which it must be finished; 0 = no deadline.
+    deadline: float = 0.0
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -45,6 +47,7 @@ class Request:
             stream=bool(d["stream"]),
             submitted=float(d["submitted"]),
             attempts=int(d.get("attempts", 0)),
+            deadline=float(d.get("deadline", 0.0)),
         )
 
 

@@ -59,6 +59,14 @@ class ServerSettings(_Strict):
     request_timeout_s: float = _key(
         600.0, LIVE, "longest a request waits for its model and reply; then 503", gt=0, le=86400
     )
+    request_deadline_s: float = _key(
+        600.0,
+        LIVE,
+        "longest a request may take from submit to its last token; then 504 "
+        "deadline_exceeded; 0 = none",
+        ge=0,
+        le=86400,
+    )
     model_dirs: list[str] = _key(
         [],
         RESTART,
@@ -104,6 +112,13 @@ class WorkerSettings(_Strict):
         "keep one started model process per device waiting for the next load (saves the "
         "process start and llama.cpp import, ~0.3 s a load; ~60 MB each)",
     )
+    stall_s: float = _key(
+        60.0,
+        LIVE,
+        "a busy model process with no progress this long is killed; 0 = never",
+        ge=0,
+        le=86400,
+    )
 
 
 class DebugSettings(_Strict):
@@ -127,6 +142,9 @@ class ModelSpec(_Strict):
     n_threads: int | None = Field(None, ge=1, le=1024)
     n_threads_batch: int | None = Field(None, ge=1, le=1024)
     n_batch: int = Field(512, ge=1, le=1 << 16)
+    # The most tokens one request may generate (None: n_ctx). Web applies it to each request it
+    # submits, so it takes effect at once, not at the next load.
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     chat_format: str | None = None
     pinned: bool = False
 
@@ -145,11 +163,18 @@ class ModelSpec(_Strict):
             raise ValueError("give exactly one of 'path' (a local GGUF) or 'base_url' (remote)")
         if self.base_url is None and (self.api_key_env or self.remote_model):
             raise ValueError("'api_key_env' and 'remote_model' apply to remote models only")
+        if self.base_url is not None and self.max_tokens is not None:
+            raise ValueError("'max_tokens' applies to local models only")
         return self
 
     @property
     def remote(self) -> bool:
         return self.base_url is not None
+
+    @property
+    def token_cap(self) -> int:
+        """The most tokens one request to this model may generate."""
+        return self.max_tokens or self.n_ctx
 
 
 class Settings(_Strict):

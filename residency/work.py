@@ -80,13 +80,16 @@ def hand_back(
     crashed: bool = False,
     lease: str | None = None,
     token: str = "",
+    fail: ApiError | None = None,
 ) -> dict[str, int]:
     """After a model process died or was stopped: requeue its in-flight requests that produced
     no output yet, answer the others with an error, and ask the coordinator to re-plan.
     ``crashed``: the process died without being asked to (a signal, an abort); each in-flight
     request then counts one attempt, and one that reaches ``MAX_CRASHES`` is answered with an
     error naming the crash instead of being requeued. ``lease``: the coordinator leader's token
-    (it reaps); every write is then fenced by it (NotLeader when deposed)."""
+    (it reaps); every write is then fenced by it (NotLeader when deposed). ``fail``: answer
+    every in-flight request with this error instead (the process was killed because its
+    generation hung: requeueing would hang the next process too)."""
     counts = {"requeued": 0, "refused": 0, "failed": 0, "gone": 0}
     err = ApiError(
         503,
@@ -109,11 +112,20 @@ def hand_back(
             _writes(r, scripts, lease).lrem(keys.processing(model), 1, raw).execute()
             continue
         requeue = raw
-        if crashed:
+        if fail is not None:
+            requeue = ""
+        elif crashed:
             attempts = req.attempts + 1
             requeue = "" if attempts >= MAX_CRASHES else replace(req, attempts=attempts).dumps()
+        failed = fail.to_reply() if fail is not None else None
         res = scripts.hand_back(
-            model, req.id, raw, err, requeue=requeue, refusal=refusal, lease=lease
+            model,
+            req.id,
+            raw,
+            failed or err,
+            requeue=requeue,
+            refusal=failed or refusal,
+            lease=lease,
         )
         counts[res] += 1
     # A crash with its load token counts toward the model's crash loop (coordinator.failures).

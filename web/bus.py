@@ -3,8 +3,11 @@
 A ``Call`` is one submitted request. Its reply stream (``keys.reply(id)``) carries messages with
 ``t`` in chunk/done/error and ``d`` JSON; the web thread reads it with ``XREAD BLOCK`` so every
 wait is bounded, and deletes it when the reply is complete. A request abandoned by its client or
-by the timeout is cancelled: the cancel flag tells a model process that already took it to stop,
-and LREM takes it out of the queue if nobody took it yet.
+by the timeout is withdrawn (``withdraw.lua``): out of the queue if nobody took it yet, else its
+cancel flag tells the model process that took it to stop. While no reply has come, the wait
+also watches the client's connection (``client_gone``), so a client that goes away while its
+request is queued has it withdrawn before any model process generates it, and the request's
+deadline (``server.request_deadline_s``), so one still queued then is answered 504 at once.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import redis
@@ -84,16 +87,29 @@ class Call:
 
     ``timeout_s`` bounds the wait for each reply message: the first one is measured from submit
     (queue wait and load included), later ones from the message before, so a long stream that
-    keeps producing is never cut while a stalled one is.
+    keeps producing is never cut while a stalled one is. ``client_gone``, when given, says
+    whether the client closed its connection; it is asked before each read until the reply is
+    complete.
     """
 
-    def __init__(self, r: redis.Redis, req: Request, item: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        r: redis.Redis,
+        req: Request,
+        item: str,
+        timeout_s: float,
+        scripts: Scripts | None = None,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> None:
         self.r = r
         self.req = req
         self.item = item
         self.timeout_s = timeout_s
+        self.scripts = scripts or Scripts(r)
+        self.client_gone = client_gone
         self._last_id = "0-0"
         self._first = True
+        self._deadline_checked = False
         self.closed = False
 
     @property
@@ -112,9 +128,14 @@ class Call:
             if SHUTTING_DOWN.is_set() and self._last_id == "0-0":
                 self.abandon()
                 raise shutting_down_error(self.model)
+            if self.client_gone is not None and self.client_gone():
+                log.info("client of request %s went away; withdrawing it", self.req.id)
+                self.abandon()
+                raise errors.client_closed(self.model)
             try:
+                self._check_deadline()
                 resp: Any = self.r.xread(
-                    {key: self._last_id}, count=READ_COUNT, block=max(1, int(min(left, 1) * 1000))
+                    {key: self._last_id}, count=READ_COUNT, block=self._block_ms(left)
                 )
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 self.abandon()
@@ -134,6 +155,27 @@ class Call:
                     if kind is not ReplyType.CHUNK:
                         return
                     deadline = time.monotonic() + self.timeout_s
+
+    def _block_ms(self, left: float) -> int:
+        """How long one read may block: at most a second, and no later than the deadline (so a
+        request still queued then is answered at once)."""
+        wait = min(left, 1.0)
+        if self.req.deadline and not self._deadline_checked:
+            wait = min(wait, self.req.deadline - time.time())
+        return max(1, int(wait * 1000))
+
+    def _check_deadline(self) -> None:
+        """Past its deadline with no reply yet: withdraw it if it is still queued and answer
+        504; if a model process took it, that process stops it at its next token and answers
+        (so the check runs once)."""
+        if not self.req.deadline or self._deadline_checked or self._last_id != "0-0":
+            return
+        if time.time() < self.req.deadline:
+            return
+        self._deadline_checked = True
+        if self.scripts.withdraw(self.model, self.req.id, self.item, cancel=False):
+            self.closed = True
+            raise errors.deadline_exceeded(self.model, self.req.deadline - self.req.submitted)
 
     def result(self) -> dict[str, Any]:
         """The whole response of a non-stream request."""
@@ -164,16 +206,13 @@ class Call:
             log.warning("could not delete reply stream of %s (it expires)", self.req.id)
 
     def abandon(self) -> None:
-        """Nobody will read the reply: stop its generation and drop it from the queue."""
+        """Nobody will read the reply: drop the request from the queue if it is still there,
+        else stop its generation (the cancel flag)."""
         if self.closed:
             return
         self.closed = True
         try:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.set(keys.cancel(self.req.id), "1", ex=keys.REPLY_TTL_S)
-            pipe.lrem(keys.queue(self.model), 1, self.item)
-            pipe.delete(keys.reply(self.req.id))
-            pipe.execute()
+            self.scripts.withdraw(self.model, self.req.id, self.item, cancel=True)
         except redis.RedisError:
             log.warning("could not cancel request %s for %s", self.req.id, self.model)
 
@@ -188,15 +227,20 @@ def submit(
     stream: bool,
     bound: int,
     timeout_s: float,
+    deadline_s: float = 0.0,
+    client_gone: Callable[[], bool] | None = None,
 ) -> Call:
-    """Queue a request (bounded: 429 with Retry-After when full) and return its Call."""
+    """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
+    ``deadline_s``: it must be finished that long after submit (0: no deadline)."""
+    now = time.time()
     req = Request(
         id=new_request_id(),
         kind=kind,
         model=model,
         params=params,
         stream=stream,
-        submitted=time.time(),
+        submitted=now,
+        deadline=now + deadline_s if deadline_s > 0 else 0.0,
     )
     item = req.dumps()
     try:
@@ -207,4 +251,4 @@ def submit(
         raise storage_unavailable(e) from e
     if not ok:
         raise errors.queue_full(model, depth)
-    return Call(r, req, item, timeout_s)
+    return Call(r, req, item, timeout_s, scripts, client_gone)

@@ -1,10 +1,12 @@
 """Parsing ``POST /admin/faults`` bodies (pure): which ``keys.faults()`` fields to set or delete.
 
 Field names are the contract with the model processes that read them: ``load_delay_s:<model>``
-(seconds), ``fail_next_load`` (model name), ``memory_pressure`` (fraction 0..1) and
+(seconds), ``fail_next_load`` (model name), ``memory_pressure`` (fraction 0..1),
 ``hold:<model>`` ("1" while that model's process must hold every generation before its first
-token) and ``token_delay_s:<model>`` (seconds added before each streamed chunk). A false, zero
-or null value deletes the field, so a test can undo what it set.
+token), ``token_delay_s:<model>`` (seconds added before each generated token) and
+``hang:<model>`` ("1" while that model's generations block with no progress, deaf to stop,
+cancel and deadline: what the stall watchdog kills). A false, zero or null value deletes the
+field, so a test can undo what it set.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from typing import Any
 from residency.errors import ApiError, bad_request
 from residency.settings import check_model_name
 
-FAULT_KEYS = ("load_delay_s", "fail_next_load", "memory_pressure", "hold", "token_delay_s")
+FAULT_KEYS = (
+    "load_delay_s",
+    "fail_next_load",
+    "memory_pressure",
+    "hold",
+    "token_delay_s",
+    "hang",
+)
 
 
 def _name(name: Any, param: str) -> str:
@@ -77,12 +86,14 @@ def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
             put["memory_pressure"] = repr(frac)
         else:
             drop.append("memory_pressure")
-    if "hold" in body:
-        for m, v in _per_model(body, "hold").items():
+    for key in ("hold", "hang"):
+        if key not in body:
+            continue
+        for m, v in _per_model(body, key).items():
             if v is not None and not isinstance(v, bool):
-                raise bad_request(f"'hold.{m}' must be a boolean", f"hold.{m}")
+                raise bad_request(f"'{key}.{m}' must be a boolean", f"{key}.{m}")
             if v:
-                put[f"hold:{m}"] = "1"
+                put[f"{key}:{m}"] = "1"
             else:
-                drop.append(f"hold:{m}")
+                drop.append(f"{key}:{m}")
     return put, drop

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import select
+import socket
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -87,6 +89,58 @@ def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Targ
     return Target(entry, view)
 
 
+#: What llama.cpp generates for a completion that names no max_tokens (OpenAI's default for
+#: /v1/completions too); a chat without one gets the model's cap.
+COMPLETION_DEFAULT_TOKENS = 16
+
+
+def capped_params(kind: Kind, params: dict[str, Any], cap: int) -> dict[str, Any]:
+    """``params`` with ``max_tokens`` bounded by the model's cap (``[models.X] max_tokens``,
+    default its n_ctx): a larger value is clamped to it (OpenAI-style clients send large
+    values), and a request without one gets the cap (a chat) or the completions default
+    bounded by the cap, so every generation is bounded."""
+    if kind is Kind.EMBEDDING:
+        return params
+    asked = params.get("max_tokens")
+    if asked is None:
+        asked = COMPLETION_DEFAULT_TOKENS if kind is Kind.COMPLETION else cap
+    return {**params, "max_tokens": min(int(asked), cap)}
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the client closed its end of the connection (it sends nothing more on a
+    connection whose request was read: readable means closed, or a pipelined request)."""
+    try:
+        fd = sock.fileno()
+    except (OSError, ValueError):
+        return True
+    if fd < 0:
+        return True
+    poller = select.poll()
+    rdhup = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its side
+    poller.register(fd, select.POLLIN | rdhup)
+    for _fd, ev in poller.poll(0):
+        if ev & (rdhup | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            return True
+        if ev & select.POLLIN:
+            try:
+                return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+            except (OSError, ValueError):
+                return False  # e.g. a TLS socket refuses MSG_PEEK: no verdict
+    return False
+
+
+def _client_gone() -> Callable[[], bool] | None:
+    """A check of this request's client connection, when the server exposes its socket
+    (gunicorn and werkzeug do)."""
+    sock = request.environ.get("gunicorn.socket") or request.environ.get("werkzeug.socket")
+    if not isinstance(sock, socket.socket):
+        return None
+    return lambda: _peer_closed(sock)
+
+
 def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Call:
     srv, pool = t.view.settings.server, t.view.settings.pool
     return bus.submit(
@@ -94,10 +148,12 @@ def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Ca
         st.scripts,
         kind=kind,
         model=t.entry.name,
-        params=v.params,
+        params=capped_params(kind, v.params, t.entry.spec.token_cap),
         stream=v.stream,
         bound=pool.max_queue_per_model,
         timeout_s=srv.request_timeout_s,
+        deadline_s=srv.request_deadline_s,
+        client_gone=_client_gone(),
     )
 
 

@@ -4,6 +4,10 @@ load command, and reports every process that exits or stops owning its model.
 It never decides residency; it only carries out load commands and watches its children. A
 child whose model state is no longer its own (reaped, load timed out) is stopped.
 
+A child that stalls — busy (a request on its processing list) with no progress
+(``keys.progress``) for ``worker.stall_s`` — is killed, and its in-flight requests are answered
+``model_stalled`` rather than requeued (the generation hung; it would hang the next process).
+
 Three rules keep a host from being lost while it works:
 - the heartbeat runs on its own thread, so nothing the loop does (a slow spawn, a stop) can let
   the worker record lapse and make the coordinator reap a host whose models still generate;
@@ -31,7 +35,8 @@ from typing import cast
 import redis
 
 from residency import keys, procs, work
-from residency.box import Box
+from residency.box import Box, ConfigStore
+from residency.errors import ApiError, model_stalled
 from residency.loops import Waker, run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
@@ -54,6 +59,11 @@ class Child:
     proc: subprocess.Popen[bytes]
     stop_sent_at: float = 0.0
     disowned_at: float = 0.0
+    # Stall watchdog: the progress value last seen while busy, and when (agent's clock) it was
+    # first seen; ``stalled`` is the error its in-flight requests get once it was killed.
+    progress: str | None = None
+    progress_seen_at: float = 0.0
+    stalled: ApiError | None = None
 
     @property
     def stop_requested(self) -> bool:
@@ -91,6 +101,10 @@ class Agent:
         # next load on that device: a load then costs the model's own load time only.
         self.use_standby = box.base_settings().worker.standby_process
         self.standbys: dict[str, Child] = {}
+        # worker.stall_s is live: re-read when the admin config generation or the config file
+        # changes (see _stall_s).
+        self._stall_s = box.base_settings().worker.stall_s
+        self._stall_source: tuple[int, tuple[int, int, int] | None] | None = None
 
     # -- registration -----------------------------------------------------------------------
 
@@ -289,18 +303,25 @@ class Agent:
     def watch_children(self) -> None:
         names = list(self.children)
         pipe = self.r.pipeline(transaction=False)
+        pipe.get(keys.config_generation())
         for n in names:
             pipe.hmget(keys.model(n), ["state", "token"])
-        states = pipe.execute() if names else []
-        self.replenish_standbys(any(s == ModelState.LOADING.value for s, _ in states))
-        for n, (state, token) in zip(names, states, strict=True):
+            pipe.llen(keys.processing(n))
+            pipe.get(keys.progress(n))
+        res = pipe.execute()
+        stall_s = self.stall_s(int(res[0] or 0))
+        rows = [res[1 + 3 * i : 4 + 3 * i] for i in range(len(names))]
+        self.replenish_standbys(any(s == ModelState.LOADING.value for (s, _), _, _ in rows))
+        for n, ((state, token), busy, progress) in zip(names, rows, strict=True):
             c = self.children[n]
             code = c.proc.poll()
             if code is not None:
                 # Released before it is forgotten: should Redis fail in between, the next watch
                 # sees the exit again and retries (a forgotten child would strand its state).
                 crashed = code != 0 and not c.stop_requested
-                self._release(n, c.token, f"process exited with {code}", crashed=crashed)
+                self._release(
+                    n, c.token, f"process exited with {code}", crashed=crashed, fail=c.stalled
+                )
                 with self._lock:
                     del self.children[n]
                 raw = self.deferred.pop(n, None)
@@ -308,6 +329,16 @@ class Agent:
                     self.handle(raw)
                 continue
             if token == c.token and state in (s.value for s in OCCUPYING):
+                if stalled(c, bool(busy), progress, stall_s, time.monotonic()):
+                    log.error(
+                        "%s (pid %d) busy with no progress for %gs; killing it",
+                        n,
+                        c.proc.pid,
+                        stall_s,
+                    )
+                    c.stalled = model_stalled(n, stall_s)
+                    c.stop_sent_at = c.stop_sent_at or time.monotonic()
+                    c.proc.kill()
                 continue
             if token == c.token and state == ModelState.UNLOADED.value:
                 # It committed its own unload and is exiting: give it time to do so.
@@ -318,6 +349,18 @@ class Agent:
                 log.warning("%s (pid %d) no longer owns its state; stopping it", n, c.proc.pid)
             self._request_stop(c)
 
+    def stall_s(self, config_generation: int) -> float:
+        """``worker.stall_s`` now: re-read when an admin change (the config generation) or the
+        config file changed since it was last read; the last good value on a bad config."""
+        source = (config_generation, _file_stamp(self.box.config_path))
+        if source != self._stall_source:
+            self._stall_source = source
+            try:
+                self._stall_s = ConfigStore(self.box, self.r).load()[0].worker.stall_s
+            except ValueError as e:
+                log.error("settings unreadable (%s); keeping stall_s=%g", e, self._stall_s)
+        return self._stall_s
+
     def _request_stop(self, c: Child) -> None:
         """SIGTERM now, SIGKILL once the grace has passed (called again on each watch); never
         waits."""
@@ -327,9 +370,20 @@ class Agent:
         elif time.monotonic() - c.stop_sent_at > STOP_GRACE_S:
             c.proc.kill()
 
-    def _release(self, model: str, token: str, reason: str, *, crashed: bool = False) -> None:
+    def _release(
+        self,
+        model: str,
+        token: str,
+        reason: str,
+        *,
+        crashed: bool = False,
+        fail: ApiError | None = None,
+    ) -> None:
         """A process of ``model`` (load ``token``) is gone: free its state if it still held it
-        and hand its in-flight requests back."""
+        and hand its in-flight requests back (``fail``: answer them with this error instead —
+        the stall watchdog killed it)."""
+        if fail is not None:
+            reason = f"{reason}: {fail.message}"
         state, cur = cast(list[str | None], self.r.hmget(keys.model(model), ["state", "token"]))
         if cur != token or state is None:
             return  # someone else already took over
@@ -337,7 +391,9 @@ class Agent:
             # It committed its unload (nothing in flight then), or an earlier release moved
             # the state and failed before handing the work back: finish that.
             if self.r.llen(keys.processing(model)):
-                work.hand_back(self.r, self.scripts, model, reason, crashed=crashed, token=token)
+                work.hand_back(
+                    self.r, self.scripts, model, reason, crashed=crashed, token=token, fail=fail
+                )
             return
         dst = ModelState.FAILED if state == ModelState.LOADING.value else ModelState.UNLOADED
         ok, _ = self.scripts.transition(
@@ -357,7 +413,7 @@ class Agent:
                     Event(EventType.LOAD_FAILED, model, {"token": token, "error": reason}).to_dict()
                 ),
             )
-        work.hand_back(self.r, self.scripts, model, reason, crashed=crashed, token=token)
+        work.hand_back(self.r, self.scripts, model, reason, crashed=crashed, token=token, fail=fail)
 
     def shutdown(self) -> None:
         """Stop every model process (SIGTERM to all at once, SIGKILL after the grace period)
@@ -385,6 +441,33 @@ class Agent:
         with contextlib.suppress(redis.RedisError):
             self.r.delete(keys.worker(self.host))
         log.info("agent stopped")
+
+
+def stalled(c: Child, busy: bool, progress: str | None, stall_s: float, now: float) -> bool:
+    """Whether ``c`` has been busy with no new progress value for ``stall_s`` (0: never), at
+    ``now`` (this agent's monotonic clock). Measured from when the agent first saw the current
+    value while busy, so a request just taken after a long idle time is not mistaken for a
+    stall, and the clocks of other processes never matter. Updates ``c``'s record of it."""
+    if c.stalled is not None or c.stop_requested:
+        return False
+    if not busy:
+        c.progress, c.progress_seen_at = None, 0.0
+        return False
+    # A value that expired (None) is not progress.
+    if not c.progress_seen_at or (progress is not None and progress != c.progress):
+        c.progress, c.progress_seen_at = progress, now
+        return False
+    return stall_s > 0 and now - c.progress_seen_at >= stall_s
+
+
+def _file_stamp(path: os.PathLike[str] | str | None) -> tuple[int, int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def main(box: Box, stop: threading.Event) -> None:

@@ -121,6 +121,15 @@ def cpu_affinity(device: str) -> set[int] | None:
     return cores
 
 
+def default_threads(affinity: set[int] | None = None) -> int:
+    """llama.cpp threads for a model process that does not set ``n_threads``: one per core it
+    may run on (its CPU affinity, which the agent pins per device). llama-cpp-python's own
+    default is half the machine's cores — one thread on a 2-core box, about 0.65x the tokens/s
+    of two."""
+    cores = affinity if affinity is not None else os.sched_getaffinity(0)
+    return max(1, len(cores))
+
+
 def memory_used(device_list: list[str], pressure_override: float | None = None) -> dict[str, float]:
     """Fraction of memory in use per device: NVML for a GPU when pynvml is installed, system
     memory otherwise (a CPU model lives in it). ``pressure_override`` (the ``memory_pressure``

@@ -1,22 +1,24 @@
 """Fault injection for drills and tests (``[debug] fault_injection = true`` only).
 
 ``FaultyRuntime`` wraps the real runtime behind the same interface and reads the faults hash
-that ``POST /admin/faults`` writes: a load delay, a one-shot load failure, and a hold that keeps
-a model busy before its first token, and a per-chunk delay (so a test can make "busy" or "slow"
-deterministic instead of racing a fast model)."""
+that ``POST /admin/faults`` writes: a load delay, a one-shot load failure, a hold that keeps a
+model busy before its first token (like a long prompt: it counts as progress and honours
+cancel, deadline and stop), a per-token delay (so a test can make "busy" or "slow"
+deterministic instead of racing a fast model), and a hang: a generation that blocks with no
+progress and honours nothing (for the stall watchdog) until the fault is cleared.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any, cast
 
 import redis
 
 from residency import keys
 from residency.settings import ModelSpec
-from workers.runtime import Runtime
+from workers.runtime import OnStep, Runtime
 
 POLL_S = 0.05
 HOLD_LIMIT_S = 600.0
@@ -53,7 +55,9 @@ class FaultyRuntime:
             raise InjectedLoadFailure(f"injected load failure for {self.model}")
         self.inner.load(spec, device)
 
-    def _hold(self) -> None:
+    def _hold(self, on_step: OnStep | None) -> None:
+        # Each wait is a step: a held model is busy but alive (a long prompt), and a cancel or
+        # deadline ends the hold as it would a generation.
         waited = 0.0
         while (
             waited < HOLD_LIMIT_S
@@ -62,35 +66,47 @@ class FaultyRuntime:
         ):
             self.stop.wait(POLL_S)
             waited += POLL_S
+            if on_step is not None:
+                on_step()
 
-    def _slowed(self, result: Any) -> Any:
-        """Delay every streamed chunk by ``token_delay_s:<model>`` (a slow model on demand)."""
+    def _hang(self) -> None:
+        """A real hang: no steps, deaf to stop, cancel and deadline, until the fault is
+        cleared (or HOLD_LIMIT_S); only SIGKILL ends it sooner."""
+        started = time.monotonic()
+        while time.monotonic() - started < HOLD_LIMIT_S and self.r.hexists(
+            keys.faults(), f"hang:{self.model}"
+        ):
+            time.sleep(POLL_S)
+
+    def _slowed(self, on_step: OnStep | None) -> OnStep | None:
+        """Delay every generated token by ``token_delay_s:<model>`` (a slow model on demand),
+        streamed or not."""
         raw = cast(str | None, self.r.hget(keys.faults(), f"token_delay_s:{self.model}"))
         delay = float(raw or 0)
-        if delay <= 0 or isinstance(result, dict):
-            return result
+        if delay <= 0:
+            return on_step
 
-        def gen() -> Iterator[dict[str, Any]]:
-            try:
-                for chunk in result:
-                    if self.stop.wait(delay):
-                        return
-                    yield chunk
-            finally:
-                result.close()
+        def step() -> None:
+            self.stop.wait(delay)
+            if on_step is not None:
+                on_step()
 
-        return gen()
+        return step
 
-    def chat(self, params: dict[str, Any], stream: bool) -> Any:
-        self._hold()
-        return self._slowed(self.inner.chat(params, stream))
+    def chat(self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None) -> Any:
+        self._hang()
+        self._hold(on_step)
+        return self.inner.chat(params, stream, self._slowed(on_step))
 
-    def completion(self, params: dict[str, Any], stream: bool) -> Any:
-        self._hold()
-        return self._slowed(self.inner.completion(params, stream))
+    def completion(
+        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
+    ) -> Any:
+        self._hang()
+        self._hold(on_step)
+        return self.inner.completion(params, stream, self._slowed(on_step))
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
-        self._hold()
+        self._hold(None)
         return self.inner.embed(inputs)
 
     def close(self) -> None:

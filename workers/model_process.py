@@ -21,7 +21,7 @@ import redis
 
 from residency import keys, metrics, registry
 from residency.box import connect
-from residency.errors import ApiError
+from residency.errors import ApiError, deadline_exceeded
 from residency.loops import Waker
 from residency.lua import Scripts
 from residency.messages import Event, EventType, Kind, ReplyType, Request
@@ -29,6 +29,7 @@ from residency.settings import ModelSpec
 from residency.states import ModelState
 from residency.work import add_reply
 from workers.faults import FaultyRuntime
+from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.runtime import LlamaRuntime, Runtime
 
 log = logging.getLogger("residency.model")
@@ -75,6 +76,8 @@ class ModelProcess:
         self.limits_generation = limits_generation
         self._idle_event = Event(EventType.IDLE, model).to_dict()
         self._next_check = 0.0
+        # Started by serve(): reads the current request's cancel flag and writes progress.
+        self.watcher = Watcher(r, model)
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -154,6 +157,7 @@ class ModelProcess:
         waker = Waker(self.r, self.stop)  # a stop unblocks the queue read at once
         backoff = REDIS_BACKOFF_S[0]
         self._next_check = time.monotonic() + OWNERSHIP_CHECK_S
+        self.watcher.start()
         try:
             while not self.stop.is_set():
                 try:
@@ -168,6 +172,7 @@ class ModelProcess:
                 else:
                     backoff = REDIS_BACKOFF_S[0]
         finally:
+            self.watcher.close()
             waker.close()
 
     def serve_once(self, waker: Waker) -> bool:
@@ -226,9 +231,29 @@ class ModelProcess:
             self.r.lrem(keys.processing(self.model), 1, raw)
             return
         last: tuple[str, dict[str, Any]] | None = None
+        # A stream stopped at shutdown goes on (its loop answers shutting_down once it has
+        # output); a non-stream one is left on the processing list for the agent to requeue.
+        gate = Gate(req.id, req.deadline, None if req.stream else self.stop)
         try:
-            if not self.r.exists(keys.cancel(req.id)):
-                last = self.generate(req)
+            if self.r.exists(keys.cancel(req.id)):
+                pass  # its client went away while it was queued
+            elif gate.expired():
+                last = self._deadline_error(req)  # answered without generating
+            else:
+                self.watcher.current = gate
+                try:
+                    last = self.generate(req, gate)
+                finally:
+                    self.watcher.current = None
+        except Stopped as e:
+            if e.reason is Reason.SHUTDOWN:
+                log.info("%s: request %s left for the agent to requeue", self.model, req.id)
+                return
+            if e.reason is Reason.DEADLINE:
+                log.info("%s: request %s stopped by its deadline", self.model, req.id)
+                last = self._deadline_error(req)
+            else:
+                self._cancelled(req.id, gate.chunks_sent)
         except ApiError as e:
             last = (ReplyType.ERROR, e.to_reply())
         except REDIS_DOWN as e:
@@ -261,29 +286,35 @@ class ModelProcess:
             ),
         )
 
-    def generate(self, req: Request) -> tuple[str, dict[str, Any]] | None:
-        """Run the request; returns its last reply message (None when its client cancelled)."""
+    def _deadline_error(self, req: Request) -> tuple[str, dict[str, Any]]:
+        err = deadline_exceeded(self.model, req.deadline - req.submitted)
+        return ReplyType.ERROR, err.to_reply()
+
+    def generate(self, req: Request, gate: Gate | None = None) -> tuple[str, dict[str, Any]] | None:
+        """Run the request; returns its last reply message (None when its client cancelled).
+        ``gate.step`` runs on every generated token and raises ``Stopped`` to end it."""
         if req.kind is Kind.EMBEDDING:
             out = self.runtime.embed(list(req.params["input"]))
             out["model"] = self.model
             return ReplyType.DONE, out
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
-        result = call(req.params, req.stream)
+        result = call(req.params, req.stream, gate.step if gate is not None else None)
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
             return ReplyType.DONE, result
         assert not isinstance(result, dict)
-        return self.stream(req, result)
+        return self.stream(req, result, gate)
 
     def stream(
-        self, req: Request, chunks: Iterable[dict[str, Any]]
+        self, req: Request, chunks: Iterable[dict[str, Any]], gate: Gate | None = None
     ) -> tuple[str, dict[str, Any]] | None:
         """Forward chunks in small batches: everything up to and including the first chunk with
         text at once (llama.cpp sends a role-only chunk first; batching the first token behind
         it cost a whole batch interval of time to first token), then at most every
         FLUSH_EVERY_S; each flush also reads the cancel flag in the same round trip,
-        so a client that went away stops the generation within one batch."""
+        so a client that went away stops the generation within one batch even without the
+        watcher. A stream stopped by its deadline sends what it has before the error."""
         batch: list[dict[str, Any]] = []
         sent = 0
         texted = False
@@ -317,10 +348,16 @@ class ModelProcess:
                         self._cancelled(req.id, sent)
                         return None
                     sent += len(batch)
-                    batch = []
+                    if gate is not None:
+                        gate.chunks_sent = sent
+                    batch.clear()
             if batch:
                 self._flush(req.id, batch)
             return ReplyType.DONE, {}
+        except Stopped as e:
+            if e.reason is Reason.DEADLINE and batch:
+                self._flush(req.id, batch)
+            raise
         finally:
             close = getattr(it, "close", None)
             if close is not None:

@@ -4,23 +4,29 @@ delay or failure wraps the real one (``workers.faults``) behind the same interfa
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from residency.errors import ApiError
 from residency.settings import ModelSpec
+from workers import devices
+
+#: Called by a runtime once per generated token, streamed or not; raising ends the generation
+#: (the model process's ``workers.gate.Gate.step``: cancel, deadline, shutdown).
+OnStep = Callable[[], None]
 
 
 class Runtime(Protocol):
     def load(self, spec: ModelSpec, device: str) -> None: ...
 
     def chat(
-        self, params: dict[str, Any], stream: bool
+        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def completion(
-        self, params: dict[str, Any], stream: bool
+        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def embed(self, inputs: list[str]) -> dict[str, Any]: ...
@@ -63,7 +69,9 @@ def _client_error(e: ValueError, param: str) -> ApiError | None:
     return None
 
 
-def _guarded(chunks: Iterator[dict[str, Any]], param: str) -> Iterator[dict[str, Any]]:
+def _guarded(
+    chunks: Iterator[dict[str, Any]], param: str, done: Callable[[], None]
+) -> Iterator[dict[str, Any]]:
     # A stream raises on its first chunk; closing this generator closes llama.cpp's.
     try:
         yield from chunks
@@ -72,6 +80,35 @@ def _guarded(chunks: Iterator[dict[str, Any]], param: str) -> Iterator[dict[str,
         if err is None:
             raise
         raise err from None
+    finally:
+        done()
+
+
+@functools.cache
+def _stepped_llama() -> Any:
+    """llama_cpp.Llama whose token loop calls ``on_step`` before it hands out each token.
+    ``generate`` is the one loop every completion passes through, chat or not, streamed or
+    not; llama-cpp-python's own hook for this, ``stopping_criteria``, is not passed through
+    ``create_chat_completion`` (0.3), and an exception raised in a logits processor is lost in
+    its C callback."""
+    import llama_cpp  # imported here: web and coordinator processes never need it
+
+    class SteppedLlama(llama_cpp.Llama):
+        on_step: OnStep | None = None
+
+        # Forwards every argument unchanged; only the token loop is wrapped.
+        def generate(self, *args: Any, **kwargs: Any) -> Iterator[int]:  # type: ignore[override]
+            on_step = self.on_step
+            inner = super().generate(*args, **kwargs)
+            try:
+                for token in inner:
+                    if on_step is not None:
+                        on_step()
+                    yield token
+            finally:
+                inner.close()
+
+    return SteppedLlama
 
 
 class LlamaRuntime:
@@ -79,17 +116,17 @@ class LlamaRuntime:
         self._llm: Any = None
 
     def load(self, spec: ModelSpec, device: str) -> None:
-        import llama_cpp  # imported here: web and coordinator processes never need it
-
         if spec.path is None:
             raise ValueError("a remote model is never loaded")
-        self._llm = llama_cpp.Llama(
+        self._llm = _stepped_llama()(
             model_path=spec.path,
             n_ctx=spec.n_ctx,
             # A CPU device never offloads, whatever the spec asks for a GPU host.
             n_gpu_layers=spec.n_gpu_layers if device != "cpu" else 0,
-            n_threads=spec.n_threads,
-            n_threads_batch=spec.n_threads_batch,
+            # Unset: one thread per core this process may run on (llama-cpp-python's default
+            # is half the machine's cores).
+            n_threads=spec.n_threads or devices.default_threads(),
+            n_threads_batch=spec.n_threads_batch or devices.default_threads(),
             n_batch=spec.n_batch,
             chat_format=spec.chat_format,
             embedding=spec.type == "embedding",
@@ -110,22 +147,41 @@ class LlamaRuntime:
             raise RuntimeError("runtime used before load")
         return self._llm
 
-    def chat(self, params: dict[str, Any], stream: bool) -> Any:
-        return self._call(self.llm.create_chat_completion, params, stream, "messages")
+    def chat(self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None) -> Any:
+        return self._call(self.llm.create_chat_completion, params, stream, "messages", on_step)
 
-    def completion(self, params: dict[str, Any], stream: bool) -> Any:
-        return self._call(self.llm.create_completion, params, stream, "prompt")
+    def completion(
+        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
+    ) -> Any:
+        return self._call(self.llm.create_completion, params, stream, "prompt", on_step)
 
-    def _call(self, create: Any, params: dict[str, Any], stream: bool, param: str) -> Any:
+    def _call(
+        self, create: Any, params: dict[str, Any], stream: bool, param: str, on_step: Any
+    ) -> Any:
         self._check_logit_bias(params)
+        llm = self.llm
+
+        def done() -> None:
+            llm.on_step = None
+
+        # Read by the token loop when it starts (a stream's on its first chunk); one generation
+        # runs at a time, so the next request cannot replace it before then.
+        llm.on_step = on_step
         try:
             out = create(**params, stream=stream)
         except ValueError as e:
+            done()
             err = _client_error(e, param)
             if err is None:
                 raise
             raise err from None
-        return _guarded(out, param) if stream else out
+        except BaseException:
+            done()
+            raise
+        if stream:
+            return _guarded(out, param, done)
+        done()
+        return out
 
     def _check_logit_bias(self, params: dict[str, Any]) -> None:
         # llama.cpp indexes the logits with these ids: one past the vocabulary is an IndexError.

@@ -87,6 +87,7 @@ def test_a_deleted_models_keys_go_once_it_holds_nothing(
     plant_model(r, "old", state="failed", token="T1", error="boom", last_used=5)
     r.zadd(keys.load_failures("old"), {json.dumps({"token": "T1", "error": "boom"}): clock.now})
     r.rpush(keys.control("old"), json.dumps({"op": "unload", "token": "T0"}))
+    r.set(keys.progress("old"), clock.now, ex=3600)
     plant_model(r, "queued-old", state="unloaded")
     queue(r, "queued-old", clock.now)
     # "a" is registered: its hash stays even though it is unloaded.

@@ -114,9 +114,10 @@ def test_three_failures_fail_fast_until_an_admin_load_clears_them(
     clock = Clock()
     co = hand_leader(tmp_path, redis_url, models_dir, clock)
     live_worker(r, "h1", children={}, children_at=clock.now)
-    plant_model(r, "b", state="failed", token="T3", error="bad magic")
     for i in (1, 2, 3):
         clock.now += 60
+        # Load T<i> failed: its state, then its event.
+        plant_model(r, "b", state="failed", token=f"T{i}", error=f"bad magic {i}")
         co.step([load_failed("b", f"T{i}", f"bad magic {i}")])
     first = clock.now - 120  # the time of the first of the three
 
@@ -146,3 +147,30 @@ def test_three_failures_fail_fast_until_an_admin_load_clears_them(
     queue(r, "b", clock.now)
     co.step([Event(EventType.DEMAND, "b")])
     assert r.hget(keys.model("b"), "state") == "loading"
+
+
+def test_a_pass_before_the_failure_event_answers_the_load_instead_of_retrying_it(
+    tmp_path: Path, redis_url: str, r: redis.Redis, models_dir: Path
+) -> None:
+    """The model process wrote ``failed`` and its event is still on the way when a pass runs
+    (a demand, a timer): that pass settles the failure — counts it, answers the requests that
+    waited for the load — instead of starting another load for them. The late event then
+    changes nothing; a request that arrives after the settling gets a new load."""
+    clock = Clock()
+    co = hand_leader(tmp_path, redis_url, models_dir, clock)
+    live_worker(r, "h1", children={}, children_at=clock.now)
+    plant_model(r, "b", state="failed", token="T1", error="bad magic")
+    waiting = queue(r, "b", clock.now - 1)
+
+    co.step([Event(EventType.DEMAND, "b")])
+
+    [(kind, data)] = reply_of(r, waiting)
+    assert kind == "error" and data["error"]["code"] == "model_load_failed"
+    assert r.hmget(keys.model("b"), ["state", "token"]) == ["failed", "T1"]
+    assert [f["token"] for f in failures(r, "b")] == ["T1"]
+
+    later = queue(r, "b", clock.now)
+    co.step([load_failed("b", "T1", "bad magic")])
+    assert reply_of(r, later) == []
+    assert r.hget(keys.model("b"), "state") == "loading"
+    assert [f["token"] for f in failures(r, "b")] == ["T1"]

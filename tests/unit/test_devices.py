@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from workers import devices
 
 
@@ -25,3 +27,12 @@ def test_cpu_affinity() -> None:
     assert devices.cpu_affinity("cpu") is None
     assert devices.cpu_affinity("cuda:0") is None
     assert devices.cpu_affinity("cpu:0-3+6") == {0, 1, 2, 3, 6}
+
+
+def test_default_threads_are_one_per_core_of_the_affinity() -> None:
+    from workers.devices import default_threads
+
+    assert default_threads({0, 1, 2, 3}) == 4
+    assert default_threads({5}) == 1
+    assert default_threads(set()) == 1
+    assert default_threads() == len(os.sched_getaffinity(0))

@@ -1,0 +1,124 @@
+"""The bounds of one generation, checked on every generated token, and the thread that feeds
+them.
+
+A model process gives each request a ``Gate``; the runtime calls its ``step`` once per
+generated token (streamed or not). ``step`` counts the token and raises ``Stopped`` when the
+client went away (its cancel flag), the request's deadline passed, or — for a non-stream
+request — the process is stopping. It costs no Redis round trip: the ``Watcher`` thread reads
+the cancel flag of the current request every ``POLL_S`` and sets an Event, and it writes the
+progress key (``keys.progress``) that the agent's stall watchdog reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+
+import redis
+
+from residency import keys
+
+log = logging.getLogger("residency.model")
+
+POLL_S = 0.05  # how often the watcher reads the current request's cancel flag
+# At most this often a progress write while tokens advance. It rides in the pipeline of a
+# cancel-flag read, so it costs no extra round trip; well under the smallest useful stall_s.
+PROGRESS_EVERY_S = 0.25
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Reason(enum.StrEnum):
+    CANCELLED = "cancelled"  # its client went away
+    DEADLINE = "deadline"  # server.request_deadline_s passed
+    SHUTDOWN = "shutdown"  # the process is stopping (non-stream only: the agent requeues it)
+
+
+class Stopped(Exception):
+    """Raised from ``Gate.step`` (inside the runtime's token loop) to end a generation."""
+
+    def __init__(self, reason: Reason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+class Gate:
+    """One request's stop conditions. ``deadline`` is wall-clock time like the request's
+    ``submitted`` (0: none); ``stop``, when given, ends the generation once set."""
+
+    def __init__(
+        self, request_id: str, deadline: float = 0.0, stop: threading.Event | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.deadline = deadline
+        self.stop = stop
+        self.cancelled = threading.Event()
+        self.steps = 0
+        self.chunks_sent = 0  # a stream's chunks written so far (counted when it is cancelled)
+
+    def expired(self) -> bool:
+        return bool(self.deadline) and time.time() >= self.deadline
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise Stopped(Reason.CANCELLED)
+        if self.expired():
+            raise Stopped(Reason.DEADLINE)
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped(Reason.SHUTDOWN)
+
+    def step(self) -> None:
+        """One generated token (or, for the hold fault, one wait): progress, then the checks."""
+        self.steps += 1
+        self.check()
+
+
+class Watcher:
+    """The model process's watcher thread. While a request is ``current`` it reads that
+    request's cancel flag every POLL_S (one EXISTS) and, when the request is new or its tokens
+    advanced, writes the progress key — at most every PROGRESS_EVERY_S. Idle, it sends
+    nothing."""
+
+    def __init__(self, r: redis.Redis, model: str) -> None:
+        self.r = r
+        self.model = model
+        self.current: Gate | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
+        self._down = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        written: Gate | None = None
+        written_steps = 0
+        written_at = 0.0
+        while not self._done.wait(POLL_S):
+            gate = self.current
+            if gate is None:
+                continue
+            now = time.monotonic()
+            new = gate is not written
+            due = new or (gate.steps != written_steps and now - written_at >= PROGRESS_EVERY_S)
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.exists(keys.cancel(gate.request_id))
+                if due:
+                    pipe.set(keys.progress(self.model), repr(time.time()), ex=keys.PROGRESS_TTL_S)
+                cancelled = pipe.execute()[0]
+            except _REDIS_DOWN as e:
+                if not self._down:
+                    log.warning("%s: watcher cannot reach Redis (%s)", self.model, e)
+                self._down = True
+                continue
+            self._down = False
+            if cancelled:
+                gate.cancelled.set()
+            if due:
+                written, written_steps, written_at = gate, gate.steps, now
