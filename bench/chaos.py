@@ -218,22 +218,18 @@ def watch_finals(box: Box, res: Results, done: threading.Event) -> None:
 
 
 def kill_model(box: Box, rng: random.Random, res: Results) -> None:
-    procs = box.by_cmdline("workers.model_process", "--command") + [
-        p for p in box.by_cmdline("workers.model_process", "--standby") if _serving(p)
-    ]
-    if not procs:
+    """SIGKILL the process of a random resident model (its pid from the model's state: a load
+    may have gone to a warm standby process, whose command line names no model)."""
+    try:
+        r = box.client()
+        pids = [int(p) for n in NAMES if (p := r.hget(keys.model(n), "pid"))]
+    except redis.RedisError:
         return
-    victim = rng.choice(procs)
-    with contextlib.suppress(psutil.Error):
-        victim.kill()
+    if not pids:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rng.choice(pids), signal.SIGKILL)
         res.kills["model process"] += 1
-
-
-def _serving(p: psutil.Process) -> bool:
-    """A warm standby that took a model (its threads have loaded llama.cpp and a model)."""
-    with contextlib.suppress(psutil.Error):
-        return p.memory_info().rss > 80 * 2**20
-    return False
 
 
 def kill_leader(box: Box, res: Results) -> None:

@@ -1,6 +1,10 @@
 """Model failures, recorded in one place (the coordinator leader): a failed load (the model
-process's or agent's ``load_failed`` event, or the reaper giving up on a ``loading`` model) and a
-crash of a ready process (a ``gone`` event marked ``crashed``). A model with
+process's or agent's ``load_failed`` event, or the reaper giving up on a ``loading`` model). A
+process that dies after its load (a ``gone`` event, even one marked ``crashed``) is no failure
+of the model: an out-of-memory kill or an operator's SIGKILL says nothing about whether it loads,
+and a request that keeps crashing it is refused by its own attempt count
+(``residency.work.MAX_CRASHES``); counting those deaths put healthy models in backoff. A model
+with
 ``keys.LOAD_FAILURE_LIMIT`` failures within ``keys.LOAD_FAILURE_WINDOW_S`` is in backoff: the
 pure decision (``coordinator.decide.backoff_until``) answers its requests at once with the last
 cause instead of loading it again, until the window frees a slot or an admin loads it
@@ -67,17 +71,8 @@ def record(r: redis.Redis, model: str, token: str, error: str, now: float, *, le
 
 
 def on_event(r: redis.Redis, ev: Event, now: float, *, lease: str) -> None:
-    """Count the failure an event reports; on a failed load, answer the requests queued for
-    that load with its cause — only while the model is still ``failed`` with the event's token:
-    the event may arrive after a newer load took the model (the agent reports the process gone
-    first, and a pass in between starts a new load), and the queue is then that load's."""
+    """Settle the failed load a ``load_failed`` event reports (see ``settle``)."""
     token = str(ev.data.get("token") or "")
-    if ev.type is EventType.GONE:
-        # Only an unasked death of a process that held its model counts (a signal, an abort);
-        # without the token it cannot be told apart from the load failure it may also be.
-        if ev.data.get("crashed") and token:
-            record(r, ev.model, token, f"crashed: {ev.data.get('reason', '')}", now, lease=lease)
-        return
     if ev.type is EventType.LOAD_FAILED:
         settle(r, ev.model, token, str(ev.data.get("error") or "unknown error"), now, lease=lease)
 
