@@ -298,7 +298,7 @@ def text_table(rows: list[list[str]]) -> str:
 
 
 def verdicts(tiny: dict[str, list[Sample]], gemma: dict[str, list[Sample]]) -> list[str]:
-    """The issue's targets, next to what this run measured."""
+    """The targets, next to what this run measured."""
     out = []
     t_direct = summarize(tiny["direct"]).latency_med_ms
     g_direct = summarize(gemma["direct"]).tokens_per_s
