@@ -49,9 +49,7 @@ from overhead import (
     machine_facts,
     percentile,
     replace_section,
-    spawn,
-    stop,
-    wait_for,
+    up_box,
 )
 
 from residency import keys
@@ -197,12 +195,14 @@ def clients(box: Box, total: int, res: Results) -> None:
         t.join()
 
 
-def watch_finals(box: Box, res: Results, done: threading.Event) -> None:
+def watch_finals(box: Box, res: Results, done: threading.Event, attached: threading.Event) -> None:
     """Count the final messages (done / error) written to each reply stream, from MONITOR.
-    Reconnects after a Redis restart (commands in between were not executed anyway)."""
+    Reconnects after a Redis restart (commands in between were not executed anyway).
+    ``attached`` is set once MONITOR has answered (entering ``monitor()`` reads its OK)."""
     while not done.is_set():
         try:
             with box.client().monitor() as m:
+                attached.set()
                 for cmd in m.listen():
                     if done.is_set():
                         return
@@ -274,9 +274,10 @@ def kill_redis(box: Box, res: Results) -> None:
         return
     t0 = time.monotonic()
     servers[0].kill()
+    with contextlib.suppress(psutil.Error):
+        servers[0].wait(10)  # dead before polling: never a ping answered by the old server
     res.kills["redis server"] += 1
     r = box.client()
-    time.sleep(0.05)
     deadline = t0 + 60
     while time.monotonic() < deadline:
         with contextlib.suppress(redis.RedisError, OSError):
@@ -320,14 +321,10 @@ def run(tmp: Path, total: int, every: float) -> tuple[Results, float]:
     models = {n: write_tiny_model(tmp / f"{n}.gguf", seed=i) for i, n in enumerate(NAMES)}
     port = free_port()
     cfg = box_toml(tmp / "box.toml", port, models)
-    log = tmp / "residency.log"
     data = tmp / "data"
-    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(data)]
     res = Results()
     with contextlib.ExitStack() as stack:
-        proc = spawn([sys.executable, *args], log)
-        stack.callback(stop, proc)
-        wait_for(proc, log, lambda: "residency is up" in log.read_text(errors="replace"), "box")
+        proc = up_box(cfg, data, tmp / "residency.log", stack)
         box = Box(f"http://127.0.0.1:{port}", f"unix://{data / 'redis' / 'redis.sock'}", proc)
         admin = {"Authorization": f"Bearer {(data / 'admin.key').read_text().strip()}"}
         delays = dict.fromkeys(NAMES, TOKEN_DELAY_S)
@@ -340,10 +337,13 @@ def run(tmp: Path, total: int, every: float) -> tuple[Results, float]:
                 json={"model": n, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
                 timeout=REQUEST_TIMEOUT_S,
             ).raise_for_status()
-        done = threading.Event()
-        watcher = threading.Thread(target=watch_finals, args=(box, res, done), daemon=True)
+        done, attached = threading.Event(), threading.Event()
+        watcher = threading.Thread(
+            target=watch_finals, args=(box, res, done, attached), daemon=True
+        )
         watcher.start()
-        time.sleep(0.5)  # MONITOR attached before the first request
+        if not attached.wait(30):  # MONITOR attached before the first request
+            raise RuntimeError("MONITOR did not attach")
         chaos_thread = threading.Thread(target=chaos, args=(box, every, res, done), daemon=True)
         t0 = time.monotonic()
         chaos_thread.start()

@@ -45,9 +45,7 @@ from overhead import (
     machine_facts,
     percentile,
     replace_section,
-    spawn,
-    stop,
-    wait_for,
+    up_box,
 )
 
 from residency.tinymodel import write_tiny_model
@@ -386,14 +384,10 @@ def run(tmp: Path, quick: bool) -> Report:
     models = {n: write_tiny_model(tmp / f"{n}.gguf", seed=i) for i, n in enumerate(NAMES)}
     port = free_port()
     cfg = box_toml(tmp / "box.toml", port, models)
-    log = tmp / "residency.log"
     data = tmp / "data"
-    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(data)]
     res = Results()
     with contextlib.ExitStack() as stack:
-        proc = spawn([sys.executable, *args], log)
-        stack.callback(stop, proc)
-        wait_for(proc, log, lambda: "residency is up" in log.read_text(errors="replace"), "box")
+        up_box(cfg, data, tmp / "residency.log", stack)
         box = Box(f"http://127.0.0.1:{port}", (data / "admin.key").read_text().strip())
         phase_patch_latency(box, 50 if quick else 200, res)
         phase_converge_idle(box, 2 if quick else 10, res)

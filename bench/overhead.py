@@ -501,14 +501,22 @@ def box_config(path: Path, port: int, cases: list[Case]) -> Path:
     )
 
 
-def start_residency(tmp: Path, cases: list[Case], stack: contextlib.ExitStack) -> tuple[str, int]:
-    port = free_port()
-    cfg = box_config(tmp / "box.toml", port, cases)
-    log = tmp / "residency.log"
-    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(tmp / "data")]
+def up_box(
+    cfg: Path, data: Path, log: Path, stack: contextlib.ExitStack
+) -> subprocess.Popen[bytes]:
+    """``residency up`` with ``cfg`` and its data in ``data``, stopped when ``stack`` closes;
+    returns once it says it is up."""
+    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(data)]
     proc = spawn([sys.executable, *args], log)
     stack.callback(stop, proc)
     wait_for(proc, log, lambda: "residency is up" in log.read_text(errors="replace"), "residency")
+    return proc
+
+
+def start_residency(tmp: Path, cases: list[Case], stack: contextlib.ExitStack) -> tuple[str, int]:
+    port = free_port()
+    cfg = box_config(tmp / "box.toml", port, cases)
+    proc = up_box(cfg, tmp / "data", tmp / "residency.log", stack)
     return f"http://127.0.0.1:{port}", proc.pid
 
 

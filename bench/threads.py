@@ -13,10 +13,10 @@ busy, 2 threads made half the tokens/s of 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +29,7 @@ from overhead import (
     free_port,
     machine_facts,
     replace_section,
-    spawn,
-    stop,
-    wait_for,
+    up_box,
 )
 
 BEGIN = "<!-- threads:begin -->"
@@ -77,11 +75,8 @@ def run(tmp: Path, rounds: int) -> dict[str, list[float]]:
         f'[server]\nport = {port}\n[models."gemma"]\npath = "{path}"\n'
         'chat_format = "gemma"\nn_ctx = 2048\n'
     )
-    log = tmp / "residency.log"
-    args = ["-m", "residency.cli", "up", "--config", str(cfg), "--data-dir", str(tmp / "data")]
-    proc = spawn([sys.executable, *args], log)
-    try:
-        wait_for(proc, log, lambda: "residency is up" in log.read_text(errors="replace"), "box")
+    with contextlib.ExitStack() as stack:
+        up_box(cfg, tmp / "data", tmp / "residency.log", stack)
         url = f"http://127.0.0.1:{port}"
         common = {"model_path": str(path), "n_ctx": 2048, "chat_format": "gemma", "verbose": False}
         cores = len(os.sched_getaffinity(0))
@@ -100,8 +95,6 @@ def run(tmp: Path, rounds: int) -> dict[str, list[float]]:
             for k, llm in llms.items():
                 out[k].append(direct_rate(llm))
         return out
-    finally:
-        stop(proc)
 
 
 def report(res: dict[str, list[float]]) -> str:

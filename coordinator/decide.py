@@ -41,7 +41,7 @@ class ModelView:
     load_seconds: float | None = None
     loaded_at: float | None = None  # host clock of the model process's load commit
     draining_since: float | None = None
-    # Times of its recent failures (failed loads, crashes), oldest first, and the last cause.
+    # Times of its recent failures (failed loads), oldest first, and the last cause.
     failures: tuple[float, ...] = ()
     last_error: str | None = None
     # ``failed`` under a token whose failure the coordinator has not settled yet (counted, its
@@ -175,11 +175,16 @@ def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
     )
 
 
+def recent_failures(m: ModelView, snap: Snapshot) -> list[float]:
+    """The times of the model's failures that lie within the failure window."""
+    return [t for t in m.failures if snap.now - t < snap.failure_window_s]
+
+
 def backoff_until(m: ModelView, snap: Snapshot) -> float | None:
     """When the model's crash-loop backoff ends, or None if it is not in one: it is while
     ``failure_limit`` of its failures lie within the window; it ends when the oldest of those
     leaves it (the count then drops below the limit)."""
-    recent = [t for t in m.failures if snap.now - t < snap.failure_window_s]
+    recent = recent_failures(m, snap)
     if snap.failure_limit <= 0 or len(recent) < snap.failure_limit:
         return None
     return sorted(recent)[-snap.failure_limit] + snap.failure_window_s
@@ -293,7 +298,7 @@ def decide(snap: Snapshot) -> list[Action]:
             continue
         backing_off.add(m.name)
         if m.wants_load:
-            failures = len([t for t in m.failures if snap.now - t < snap.failure_window_s])
+            failures = len(recent_failures(m, snap))
             actions.append(Backoff(m.name, until, failures, m.last_error or "unknown error"))
 
     types = sorted({m.type for m in snap.models.values()})

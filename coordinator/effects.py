@@ -30,7 +30,6 @@ from coordinator.decide import (
     Snapshot,
     Wait,
 )
-from coordinator.failures import load_failed
 from residency import errors, keys, metrics, registry, work
 from residency.lua import Fenced, NotLeader, Scripts
 from residency.settings import Settings
@@ -204,7 +203,7 @@ class Effects:
         if dst is ModelState.FAILED:
             failures.record(self.r, a.model, a.token, a.reason, now, lease=self.lease_token)
             work.fail_queued(
-                self.r, a.model, load_failed(a.model, a.reason), lease=self.lease_token
+                self.r, a.model, failures.load_failed(a.model, a.reason), lease=self.lease_token
             )
         log.warning("reaped %s: %s", a.model, a.reason)
         return 1

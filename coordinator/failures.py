@@ -15,19 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from importlib.resources import files
 from typing import cast
 
 import redis
 
 from residency import errors, keys, work
-from residency.lua import NotLeader
-from residency.messages import Event, EventType
+from residency.lua import Scripts
 from residency.states import ModelState
 
 log = logging.getLogger("residency.coordinator")
-
-_RECORD = files("residency").joinpath("lua", "record_failure.lua").read_text()
 
 
 def load_failed(model: str, reason: str) -> errors.ApiError:
@@ -60,21 +56,14 @@ def record(r: redis.Redis, model: str, token: str, error: str, now: float, *, le
     """Add one failure to the model's window: 'ok' or 'duplicate' (this load token's failure is
     already counted). A deposed leader records nothing: NotLeader."""
     member = json.dumps({"token": token, "error": error[:500], "at": now}, sort_keys=True)
-    res = r.register_script(_RECORD)(
-        keys=[keys.load_failures(model), keys.leader(), keys.model(model)],
-        args=[lease, token, member, now, keys.LOAD_FAILURE_WINDOW_S],
+    return Scripts(r).record_failure(
+        model,
+        token=token,
+        member=member,
+        now=now,
+        window=keys.LOAD_FAILURE_WINDOW_S,
+        lease=lease,
     )
-    out = res.decode() if isinstance(res, bytes) else str(res)
-    if out == "not_leader":
-        raise NotLeader(f"failure of {model} not recorded")
-    return out
-
-
-def on_event(r: redis.Redis, ev: Event, now: float, *, lease: str) -> None:
-    """Settle the failed load a ``load_failed`` event reports (see ``settle``)."""
-    token = str(ev.data.get("token") or "")
-    if ev.type is EventType.LOAD_FAILED:
-        settle(r, ev.model, token, str(ev.data.get("error") or "unknown error"), now, lease=lease)
 
 
 def settle(r: redis.Redis, model: str, token: str, reason: str, now: float, *, lease: str) -> None:

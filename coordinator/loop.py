@@ -32,7 +32,7 @@ from coordinator.decide import Action, Blocked, Snapshot, decide, forgettable, w
 from coordinator.effects import Effects, clear_stale_explicit
 from residency import keys, metrics, policy_store, registry
 from residency.box import Box, ConfigStore
-from residency.loops import Waker, run_until_stopped
+from residency.loops import Waker, blmove, run_until_stopped
 from residency.lua import Fenced, NotLeader, Scripts
 from residency.messages import Event, EventType
 from residency.settings import Settings, SettingsError
@@ -357,8 +357,12 @@ class Coordinator:
         self.effects.pass_number = self.passes
         s = self.refresh_settings()
         for ev in events:
-            if ev.type in (EventType.LOAD_FAILED, EventType.GONE):
-                failures.on_event(self.r, ev, self.clock(), lease=self.lease_token)
+            if ev.type is EventType.LOAD_FAILED:
+                token = str(ev.data.get("token") or "")
+                reason = str(ev.data.get("error") or "unknown error")
+                failures.settle(
+                    self.r, ev.model, token, reason, self.clock(), lease=self.lease_token
+                )
             elif ev.type is EventType.READY and ev.data.get("recheck"):
                 log.info("%s loaded after the limits changed: re-checking the pool", ev.model)
         actions: list[Action] = []
@@ -476,9 +480,9 @@ def _alive(pid: int) -> bool:
 
 
 def _blmove(r: redis.Redis, inbox: str, timeout: float) -> object:
-    """Wait up to ``timeout`` seconds (fractional: Redis takes them) for the inbox to hold an
-    event, without taking it: its last event moves onto its own tail."""
-    return r.execute_command("BLMOVE", inbox, inbox, "RIGHT", "RIGHT", timeout)
+    """Wait up to ``timeout`` seconds for the inbox to hold an event, without taking it: its
+    last event moves onto its own tail."""
+    return blmove(r, inbox, inbox, timeout, "RIGHT", "RIGHT")
 
 
 def coalesce_wait(events: list[Event], waited: float) -> float:

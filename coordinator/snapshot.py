@@ -16,6 +16,7 @@ from coordinator.decide import (
     Snapshot,
     WorkerView,
     backoff_until,
+    recent_failures,
 )
 from residency import __version__, keys, policy_store, registry, states
 from residency.messages import Request
@@ -207,7 +208,7 @@ def health_record(
             None
             if until is None
             else {
-                "failures": sum(1 for t in m.failures if snap.now - t < snap.failure_window_s),
+                "failures": len(recent_failures(m, snap)),
                 "until": until,
                 "last_error": m.last_error,
             }

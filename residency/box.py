@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from residency import keys, settings
@@ -115,6 +115,19 @@ def connect(url: str) -> redis.Redis:
         socket_connect_timeout=5,
         health_check_interval=30,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 3),
+    )
+
+
+def probe(url: str, timeout: float = 1.0) -> redis.Redis:
+    """A client that answers at once whether Redis is reachable: short timeouts and no retries
+    (redis-py retries a refused connection with backoff by default, seconds). For readiness
+    checks and for waiting on a starting server."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
     )
 
 

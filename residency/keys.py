@@ -83,8 +83,9 @@ def models_with_state() -> str:
 
 
 def load_failures(name: str) -> str:
-    """sorted set of one model's recent failures (failed loads, and crashes of a ready
-    process), member ``{"token", "error"}`` JSON (one per load token), score = time;
+    """sorted set of one model's recent failed loads (a ready process that dies later is no
+    failure of the model: see ``coordinator.failures``), member ``{"token", "error"}`` JSON
+    (one per load token), score = time;
     TTL ``LOAD_FAILURE_WINDOW_S`` renewed on each failure, older members pruned on each write.
     Written only by the coordinator leader; deleted by an explicit admin load (which clears the
     backoff) and with a deleted model's keys."""

@@ -11,6 +11,9 @@ import redis
 
 REDIS_RETRY_S = 1.0
 BUG_RETRY_S = 0.5
+# Errors that mean Redis is unreachable or restarting (BusyLoadingError, raised while a
+# restarted server reads its AOF, is a ConnectionError): wait and try again.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 def run_until_stopped(
@@ -76,3 +79,12 @@ class Waker:
     def close(self) -> None:
         self._closed.set()
         self.blocking.close()
+
+
+def blmove(
+    r: redis.Redis, src: str, dst: str, timeout: float, src_end: str, dst_end: str
+) -> str | None:
+    """BLMOVE waiting up to ``timeout`` seconds, fractional (redis-py types it int; Redis takes
+    a float); the moved item, or None when the wait ran out."""
+    raw = r.blmove(src, dst, timeout, src_end, dst_end)  # type: ignore[arg-type]
+    return None if raw is None else str(raw)

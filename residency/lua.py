@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from residency import keys
-from residency.states import ModelState, sources_for
+from residency.states import OCCUPYING, ModelState, sources_for
 
 _WITH_PRELUDE = {"transition", "start_load", "commit_load", "begin_drain", "try_unload"}
 
@@ -157,6 +157,9 @@ class Scripts:
                 "acquire",
                 "fenced",
                 "withdraw",
+                "record_failure",
+                "forget_host",
+                "forget_model",
             )
         }
 
@@ -428,3 +431,64 @@ class Scripts:
     def fenced(self, lease: str) -> Fenced:
         """A batch of leader writes that applies only while ``lease`` holds the lease."""
         return Fenced(self, lease)
+
+    def record_failure(
+        self, model: str, *, token: str, member: str, now: float, window: float, lease: str
+    ) -> str:
+        """Add ``member`` to the model's failure window: 'ok' or 'duplicate' (this load token's
+        failure is already counted). Fenced: raises NotLeader if ``lease`` is not the lease."""
+        res = _s(
+            self._run(
+                "record_failure",
+                [keys.load_failures(model), keys.leader(), keys.model(model)],
+                [lease, token, member, now, window],
+            )
+        )
+        if res == "not_leader":
+            raise NotLeader(f"failure of {model} not recorded")
+        return res
+
+    def forget_host(self, host: str, *, lease: str) -> bool:
+        """Delete a gone host's keys (True), unless it came back meanwhile (False). Fenced:
+        raises NotLeader if ``lease`` is not the lease."""
+        res = _s(
+            self._run(
+                "forget_host",
+                [
+                    keys.workers(),
+                    keys.worker(host),
+                    keys.leader(),
+                    keys.agent_commands(host),
+                    keys.agent_taken(host),
+                ],
+                [lease, host],
+            )
+        )
+        if res == "not_leader":
+            raise NotLeader(f"host {host} not forgotten")
+        return res == "ok"
+
+    def forget_model(self, model: str, *, lease: str) -> bool:
+        """Delete the keys of a model deleted from the registry (True), unless it was registered
+        again, holds a slot or has work meanwhile (False). Fenced: raises NotLeader if ``lease``
+        is not the lease."""
+        res = _s(
+            self._run(
+                "forget_model",
+                [
+                    keys.model(model),
+                    keys.queue(model),
+                    keys.processing(model),
+                    keys.control(model),
+                    keys.load_failures(model),
+                    keys.models_with_state(),
+                    keys.registry(),
+                    keys.leader(),
+                    keys.progress(model),
+                ],
+                [lease, model, ",".join(sorted(s.value for s in OCCUPYING))],
+            )
+        )
+        if res == "not_leader":
+            raise NotLeader(f"keys of {model} not deleted")
+        return res == "ok"

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from residency import procs
+from residency.box import probe
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +49,6 @@ def find_binary() -> str:
     )
 
 
-def _probe(socket: Path) -> redis.Redis:
-    """A client that answers at once whether a server listens: no retries (redis-py retries a
-    refused connection with backoff by default, about 4 s, which would delay every restart)."""
-    return redis.Redis(unix_socket_path=str(socket), socket_timeout=1, retry=Retry(NoBackoff(), 0))
-
-
 class EmbeddedRedis:
     def __init__(self, directory: Path, *, appendonly: bool = True) -> None:
         self.dir = directory
@@ -73,7 +66,7 @@ class EmbeddedRedis:
         if self.socket.exists():
             # A live server on this socket means another box owns this data dir.
             try:
-                _probe(self.socket).ping()
+                probe(self.url).ping()
             except redis.RedisError:
                 self.socket.unlink()
             else:
@@ -94,7 +87,7 @@ class EmbeddedRedis:
             args, stdin=subprocess.DEVNULL, preexec_fn=procs.die_with_parent()
         )
         deadline = time.monotonic() + timeout
-        client = _probe(self.socket)
+        client = probe(self.url)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RedisServerError(

@@ -133,14 +133,7 @@ class Supervisor:
             code = p.poll()
             if code is None or self.stop.is_set():
                 continue
-            now = time.monotonic()
-            recent = self.restarts[role]
-            while recent and now - recent[0] > 60:
-                recent.popleft()
-            if len(recent) >= RESTARTS_PER_MINUTE:
-                raise SupervisorError(f"{role} keeps exiting (last status {code}); giving up")
-            recent.append(now)
-            log.error("%s exited with %s; restarting", role, code)
+            self._count_restart(role, role, code)
             self.spawn(role)
 
     def check_redis(self) -> None:
@@ -151,15 +144,20 @@ class Supervisor:
         code = self.redis.exited()
         if code is None:
             return
+        self._count_restart("redis", "embedded Redis", code)
+        self.redis.start()
+
+    def _count_restart(self, name: str, shown: str, code: int) -> None:
+        """Record one restart of ``name``; give up when it exited RESTARTS_PER_MINUTE times in
+        the last minute."""
         now = time.monotonic()
-        recent = self.restarts["redis"]
+        recent = self.restarts[name]
         while recent and now - recent[0] > 60:
             recent.popleft()
         if len(recent) >= RESTARTS_PER_MINUTE:
-            raise SupervisorError(f"embedded Redis keeps exiting (last status {code}); giving up")
+            raise SupervisorError(f"{shown} keeps exiting (last status {code}); giving up")
         recent.append(now)
-        log.error("embedded Redis exited with %s; restarting it", code)
-        self.redis.start()
+        log.error("%s exited with %s; restarting", shown, code)
 
     def supervise(self) -> None:
         while not self.stop.is_set():

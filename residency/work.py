@@ -105,6 +105,7 @@ def hand_back(
         type="server_error",
         code="model_crashed",
     ).to_reply()
+    failed = fail.to_reply() if fail is not None else None
     for raw in cast(list[str], r.lrange(keys.processing(model), 0, -1)):
         try:
             req = Request.loads(raw)
@@ -117,7 +118,6 @@ def hand_back(
         elif crashed:
             attempts = req.attempts + 1
             requeue = "" if attempts >= MAX_CRASHES else replace(req, attempts=attempts).dumps()
-        failed = fail.to_reply() if fail is not None else None
         res = scripts.hand_back(
             model,
             req.id,

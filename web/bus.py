@@ -98,14 +98,14 @@ class Call:
         req: Request,
         item: str,
         timeout_s: float,
-        scripts: Scripts | None = None,
+        scripts: Scripts,
         client_gone: Callable[[], bool] | None = None,
     ) -> None:
         self.r = r
         self.req = req
         self.item = item
         self.timeout_s = timeout_s
-        self.scripts = scripts or Scripts(r)
+        self.scripts = scripts
         self.client_gone = client_gone
         self._last_id = "0-0"
         self._first = True

@@ -227,9 +227,7 @@ def _generate(
         t.trace = None
     name = t.entry.name
     if t.entry.spec.remote:
-        fwd = remote.forward(
-            name, t.entry.spec, path, body, t.view.settings.server.request_timeout_s
-        )
+        fwd = remote.forward(name, t.entry.spec, path, body, t.view.settings.server)
         if v.stream:
             return _stream_response(fwd.events(), name, fwd.close, t)
         out = _named(fwd.json(), name)
@@ -267,11 +265,7 @@ def embeddings() -> Any:
     if t.entry.spec.remote:
         out = _named(
             remote.forward(
-                t.entry.name,
-                t.entry.spec,
-                "/embeddings",
-                body,
-                t.view.settings.server.request_timeout_s,
+                t.entry.name, t.entry.spec, "/embeddings", body, t.view.settings.server
             ).json(),
             v.model,
         )

@@ -23,8 +23,7 @@ from urllib.parse import urlsplit
 import requests
 
 from residency.errors import ApiError
-from residency.settings import ModelSpec, check_remote_key_env
-from web.state import state
+from residency.settings import ModelSpec, ServerSettings, check_remote_key_env
 
 CONNECT_TIMEOUT_S = 10.0
 #: How much of a remote's error body is read (and at most 500 characters of it are quoted).
@@ -155,13 +154,14 @@ class Forwarded:
 
 
 def forward(
-    name: str, spec: ModelSpec, path: str, body: Mapping[str, Any], timeout_s: float
+    name: str, spec: ModelSpec, path: str, body: Mapping[str, Any], server: ServerSettings
 ) -> Forwarded:
-    """POST ``body`` (with the remote's model name) to ``spec.base_url + path``. A non-2xx
-    answer becomes an ApiError (see ``remote_error``); a redirect is not followed."""
+    """POST ``body`` (with the remote's model name) to ``spec.base_url + path``, within
+    ``server.request_timeout_s``. A non-2xx answer becomes an ApiError (see ``remote_error``);
+    a redirect is not followed."""
     assert spec.base_url is not None
     url = spec.base_url.rstrip("/") + path
-    if not state().cached().settings.server.allow_local_remotes:
+    if not server.allow_local_remotes:
         check_target(name, _resolve(name, url))
     headers = {"Content-Type": "application/json"}
     if spec.api_key_env:
@@ -192,7 +192,7 @@ def forward(
             json=payload,
             headers=headers,
             stream=bool(payload.get("stream")),
-            timeout=(CONNECT_TIMEOUT_S, timeout_s),
+            timeout=(CONNECT_TIMEOUT_S, server.request_timeout_s),
             # A redirect could lead anywhere (the address checks above would not apply to it),
             # and requests would carry the API key along to a same-host redirect.
             allow_redirects=False,

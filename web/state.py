@@ -19,11 +19,9 @@ from dataclasses import dataclass
 
 import redis
 from flask import current_app
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from residency import keys
-from residency.box import Box, ConfigStore
+from residency.box import Box, ConfigStore, probe
 from residency.errors import ApiError
 from residency.lua import Scripts
 from residency.policy_store import PolicyEntry
@@ -86,13 +84,7 @@ class State:
                 if self._probe is None:
                     if not self.box.redis_url:
                         raise RuntimeError("no Redis URL")
-                    self._probe = redis.Redis.from_url(
-                        self.box.redis_url,
-                        decode_responses=True,
-                        socket_timeout=PROBE_TIMEOUT_S,
-                        socket_connect_timeout=PROBE_TIMEOUT_S,
-                        retry=Retry(NoBackoff(), 0),
-                    )
+                    self._probe = probe(self.box.redis_url, PROBE_TIMEOUT_S)
         return self._probe
 
     @property

@@ -37,7 +37,7 @@ import redis
 from residency import keys, procs, work
 from residency.box import Box, ConfigStore
 from residency.errors import ApiError, model_stalled
-from residency.loops import Waker, run_until_stopped
+from residency.loops import Waker, blmove, run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
 from residency.states import OCCUPYING, ModelState
@@ -166,8 +166,11 @@ class Agent:
         for raw in cast(list[str], self.r.lrange(keys.agent_commands(self.host), 0, -1)):
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 pending.add(json.loads(raw)["token"])
-        for name in sorted(cast(set[str], self.r.smembers(keys.models_with_state()))):
-            h = cast(dict[str, str], self.r.hgetall(keys.model(name)))
+        names = sorted(cast(set[str], self.r.smembers(keys.models_with_state())))
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(keys.model(name))
+        for name, h in zip(names, cast(list[dict[str, str]], pipe.execute()), strict=True):
             if h.get("host") != self.host:
                 continue
             state = ModelState(h.get("state", "unloaded"))
@@ -197,15 +200,16 @@ class Agent:
 
     def iteration(self) -> None:
         with self.waker.reading() if self.waker else contextlib.nullcontext(self.r) as blocking:
-            raw = blocking.blmove(
+            raw = blmove(
+                blocking,
                 keys.agent_commands(self.host),
                 keys.agent_taken(self.host),
-                COMMAND_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
+                COMMAND_WAIT_S,
                 "LEFT",
                 "RIGHT",
             )
         if raw is not None:
-            self.unacked.append(str(raw))
+            self.unacked.append(raw)
         # A command whose handling failed (a Redis error) stays first in line and is tried
         # again: it is still on the taken list, and nothing else would re-drive it while this
         # agent lives.

@@ -19,6 +19,7 @@ import time
 import redis
 
 from residency import keys
+from residency.loops import REDIS_DOWN
 
 log = logging.getLogger("residency.model")
 
@@ -26,7 +27,6 @@ POLL_S = 0.05  # how often the watcher reads the current request's cancel flag
 # At most this often a progress write while tokens advance. It rides in the pipeline of a
 # cancel-flag read, so it costs no extra round trip; well under the smallest useful stall_s.
 PROGRESS_EVERY_S = 0.25
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class Reason(enum.StrEnum):
@@ -112,7 +112,7 @@ class Watcher:
                 if due:
                     pipe.set(keys.progress(self.model), repr(time.time()), ex=keys.PROGRESS_TTL_S)
                 cancelled = pipe.execute()[0]
-            except _REDIS_DOWN as e:
+            except REDIS_DOWN as e:
                 if not self._down:
                     log.warning("%s: watcher cannot reach Redis (%s)", self.model, e)
                 self._down = True

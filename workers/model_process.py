@@ -22,7 +22,7 @@ import redis
 from residency import keys, metrics, registry
 from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
-from residency.loops import Waker
+from residency.loops import REDIS_DOWN, Waker, blmove
 from residency.lua import Scripts
 from residency.messages import Event, EventType, Kind, ReplyType, Request
 from residency.settings import ModelSpec
@@ -40,9 +40,6 @@ REDIS_BACKOFF_S = (0.1, 2.0)  # first and longest wait between tries while Redis
 # A reply stream's TTL is renewed this often while it runs (it expires REPLY_TTL_S after the
 # last renewal, so a stream longer than the TTL never loses its key mid-reply).
 RENEW_TTL_S = keys.REPLY_TTL_S / 4
-# Errors that mean Redis is unreachable or restarting (BusyLoadingError, raised while a
-# restarted server reads its AOF, is a ConnectionError): wait and try again, never exit.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 OWNERSHIP_CHECK_S = 1.0
 FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
 
@@ -155,22 +152,17 @@ class ModelProcess:
 
     def serve(self) -> None:
         waker = Waker(self.r, self.stop)  # a stop unblocks the queue read at once
-        backoff = REDIS_BACKOFF_S[0]
         self._next_check = time.monotonic() + OWNERSHIP_CHECK_S
         self.watcher.start()
+
+        def step() -> bool:  # True: exit (stopped, unloaded, or no longer the owner)
+            return self.stop.is_set() or self.serve_once(waker)
+
         try:
-            while not self.stop.is_set():
-                try:
-                    if self.serve_once(waker):
-                        return
-                except REDIS_DOWN as e:
-                    log.warning(
-                        "%s: Redis unreachable (%s); again in %.1fs", self.model, e, backoff
-                    )
-                    self.stop.wait(backoff)
-                    backoff = min(backoff * 2, REDIS_BACKOFF_S[1])
-                else:
-                    backoff = REDIS_BACKOFF_S[0]
+            while not self.retrying("serve the queue", step):
+                pass
+        except REDIS_DOWN:
+            pass  # stopped while Redis was down
         finally:
             self.watcher.close()
             waker.close()
@@ -180,15 +172,16 @@ class ModelProcess:
         OWNERSHIP_CHECK_S) ownership; True when the process should exit: it unloaded, or its
         state is no longer its own (reaped, or lost with a Redis that restarted empty)."""
         with waker.reading() as blocking:
-            raw = blocking.blmove(
+            raw = blmove(
+                blocking,
                 keys.queue(self.model),
                 keys.processing(self.model),
-                TAKE_WAIT_S,  # type: ignore[arg-type]  # redis-py types it int; Redis takes a float
+                TAKE_WAIT_S,
                 "RIGHT",
                 "LEFT",
             )
         if raw is not None:
-            self.handle(str(raw))
+            self.handle(raw)
         if self.check_control() == "unloaded":
             return True
         if time.monotonic() >= self._next_check:

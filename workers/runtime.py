@@ -4,6 +4,7 @@ delay or failure wraps the real one (``workers.faults``) behind the same interfa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterator
@@ -69,17 +70,25 @@ def _client_error(e: ValueError, param: str) -> ApiError | None:
     return None
 
 
-def _guarded(
-    chunks: Iterator[dict[str, Any]], param: str, done: Callable[[], None]
-) -> Iterator[dict[str, Any]]:
-    # A stream raises on its first chunk; closing this generator closes llama.cpp's.
+@contextlib.contextmanager
+def _client_errors(param: str) -> Iterator[None]:
+    """llama.cpp's ValueErrors about the request's input, raised as the client's 400."""
     try:
-        yield from chunks
+        yield
     except ValueError as e:
         err = _client_error(e, param)
         if err is None:
             raise
         raise err from None
+
+
+def _guarded(
+    chunks: Iterator[dict[str, Any]], param: str, done: Callable[[], None]
+) -> Iterator[dict[str, Any]]:
+    # A stream raises on its first chunk; closing this generator closes llama.cpp's.
+    try:
+        with _client_errors(param):
+            yield from chunks
     finally:
         done()
 
@@ -156,7 +165,12 @@ class LlamaRuntime:
         return self._call(self.llm.create_completion, params, stream, "prompt", on_step)
 
     def _call(
-        self, create: Any, params: dict[str, Any], stream: bool, param: str, on_step: Any
+        self,
+        create: Any,
+        params: dict[str, Any],
+        stream: bool,
+        param: str,
+        on_step: OnStep | None,
     ) -> Any:
         self._check_logit_bias(params)
         llm = self.llm
@@ -168,13 +182,8 @@ class LlamaRuntime:
         # runs at a time, so the next request cannot replace it before then.
         llm.on_step = on_step
         try:
-            out = create(**params, stream=stream)
-        except ValueError as e:
-            done()
-            err = _client_error(e, param)
-            if err is None:
-                raise
-            raise err from None
+            with _client_errors(param):
+                out = create(**params, stream=stream)
         except BaseException:
             done()
             raise
@@ -197,13 +206,8 @@ class LlamaRuntime:
                 )
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
-        try:
+        with _client_errors("input"):
             return dict(self.llm.create_embedding(inputs))
-        except ValueError as e:
-            err = _client_error(e, "input")
-            if err is None:
-                raise
-            raise err from None
 
     def close(self) -> None:
         if self._llm is not None:
