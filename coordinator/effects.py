@@ -9,6 +9,8 @@ leader applies nothing more.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 import uuid
@@ -178,9 +180,19 @@ class Effects:
         if loaded_at is not None:
             metrics.observe(pipe, metrics.AGE_AT_EVICTION, {"model": a.model}, now - loaded_at)
         pipe.execute()
+        self._wake(a.model)
         self.evictions.append((self.pass_number, a.model, a.reason))
         log.info("evicting %s (%s)", a.model, a.reason)
         return 1
+
+    def _wake(self, model: str) -> None:
+        """Unblock the model process's queue read (its ``reader`` connection), so it sees the
+        unload now instead of at the end of its idle wait. Only latency rides on it: a failed
+        wake-up leaves the unload to that wait's end."""
+        with contextlib.suppress(redis.RedisError, ValueError):
+            reader = self.r.hget(keys.model(model), "reader")
+            if reader:
+                self.r.client_unblock(int(str(reader)))
 
     def reap(self, a: Reap, state: ModelState, now: float) -> int:
         dst = ModelState.FAILED if state is ModelState.LOADING else ModelState.UNLOADED

@@ -195,6 +195,14 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)))
 
 
+def _slots(h: dict[str, str], in_flight: int) -> dict[str, int] | None:
+    """A loaded model's slots: how many requests it decodes together, and how many run."""
+    if not h.get("parallel"):
+        return None
+    parallel = int(h["parallel"])
+    return {"parallel": parallel, "busy": min(in_flight, parallel)}
+
+
 def health_record(
     rd: Read, s: Settings, enforcement: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -223,6 +231,7 @@ def health_record(
                 "registered": m.registered,
                 "busy": m.busy,
                 "in_flight": m.in_flight,
+                "slots": _slots(h, m.in_flight),
                 "queued": m.queued,
                 "host": m.host,
                 "device": m.device,

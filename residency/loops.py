@@ -57,6 +57,12 @@ class Waker:
             self._id = int(self.blocking.client_id())
         return self.blocking
 
+    def client_id(self) -> int:
+        """The blocking connection's id (CLIENT UNBLOCK wakes a read on it)."""
+        self.ready()
+        assert self._id is not None
+        return self._id
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[redis.Redis]:
         """The blocking client for a read; if the connection fails, its id is read again on the

@@ -146,6 +146,10 @@ class ModelSpec(_Strict):
     # submits, so it takes effect at once, not at the next load.
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     chat_format: str | None = None
+    # Requests decoded together (continuous batching), each in its own slot with n_ctx tokens
+    # of context: the context allocated is n_ctx x parallel. None: the device kind's default
+    # (workers.devices.default_parallel). Embedding models serve one request at a time.
+    parallel: int | None = Field(None, ge=1, le=256)
     pinned: bool = False
 
     @field_validator("api_key_env")
@@ -165,6 +169,8 @@ class ModelSpec(_Strict):
             raise ValueError("'api_key_env' and 'remote_model' apply to remote models only")
         if self.base_url is not None and self.max_tokens is not None:
             raise ValueError("'max_tokens' applies to local models only")
+        if self.base_url is not None and self.parallel is not None:
+            raise ValueError("'parallel' applies to local models only")
         return self
 
     @property

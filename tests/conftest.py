@@ -73,12 +73,14 @@ def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
 
 
 def tiny_models(models_dir: Path, **extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Registry entries for the tiny models: a, b, c (chat), q8 (q8_0 chat), emb (embedding)."""
+    """Registry entries for the tiny models: a, b, c (chat), q8 (q8_0 chat), emb (embedding).
+    The chat models have one slot: the pool tests hold one request to keep a model busy and
+    queue the next behind it. The slot tests (test_slots.py) give their models several."""
     out: dict[str, dict[str, Any]] = {
-        "a": {"path": str(models_dir / "tiny0.gguf"), "n_ctx": 512},
-        "b": {"path": str(models_dir / "tiny1.gguf"), "n_ctx": 512},
-        "c": {"path": str(models_dir / "tiny2.gguf"), "n_ctx": 512},
-        "q8": {"path": str(models_dir / "tiny-q8.gguf"), "n_ctx": 512},
+        "a": {"path": str(models_dir / "tiny0.gguf"), "n_ctx": 512, "parallel": 1},
+        "b": {"path": str(models_dir / "tiny1.gguf"), "n_ctx": 512, "parallel": 1},
+        "c": {"path": str(models_dir / "tiny2.gguf"), "n_ctx": 512, "parallel": 1},
+        "q8": {"path": str(models_dir / "tiny-q8.gguf"), "n_ctx": 512, "parallel": 1},
         "emb": {"path": str(models_dir / "tiny-embed.gguf"), "n_ctx": 512, "type": "embedding"},
     }
     for name, spec in extra.items():

@@ -290,16 +290,18 @@ class Agent:
             preexec_fn=_preexec,
         )
 
-    def replenish_standbys(self, loading: bool) -> None:
-        """Start a warm process for each device that lacks one — but not while a load runs: on
-        a small machine the standby's start-up would slow the load it is meant to speed up."""
+    def replenish_standbys(self, loading: bool, busy_devices: set[str]) -> None:
+        """Start a warm process for each device that lacks one — but not while a load runs,
+        nor on a device whose models are generating: the standby's start-up (importing
+        llama.cpp, initializing its backend) takes a core, and on a small machine it would slow
+        the load it is meant to speed up, or the tokens of the model just loaded."""
         for device, c in list(self.standbys.items()):
             if c.proc.poll() is not None:
                 del self.standbys[device]
         if not self.use_standby or loading:
             return
         for device in self.devices:
-            if device not in self.standbys:
+            if device not in self.standbys and device not in busy_devices:
                 ident = uuid.uuid4().hex
                 proc = self._spawn(device, "--standby", keys.standby(self.host, ident))
                 self.standbys[device] = Child("", ident, device, proc)
@@ -315,7 +317,12 @@ class Agent:
         res = pipe.execute()
         stall_s = self.stall_s(int(res[0] or 0))
         rows = [res[1 + 3 * i : 4 + 3 * i] for i in range(len(names))]
-        self.replenish_standbys(any(s == ModelState.LOADING.value for (s, _), _, _ in rows))
+        busy_devices = {
+            self.children[n].device for n, (_, busy, _) in zip(names, rows, strict=True) if busy
+        }
+        self.replenish_standbys(
+            any(s == ModelState.LOADING.value for (s, _), _, _ in rows), busy_devices
+        )
         for n, ((state, token), busy, progress) in zip(names, rows, strict=True):
             c = self.children[n]
             code = c.proc.poll()

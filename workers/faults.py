@@ -35,6 +35,10 @@ class FaultyRuntime:
         self.model = model
         self.stop = stop
 
+    @property
+    def parallel(self) -> int:
+        return self.inner.parallel
+
     def load(self, spec: ModelSpec, device: str) -> None:
         # The delay is re-read while waiting, so a drill can end a slow load early by lowering
         # it; the wait wakes at once on shutdown (a slow load never holds up teardown).

@@ -1,12 +1,12 @@
-"""The bounds of one generation, checked on every generated token, and the thread that feeds
+"""The bounds of a generation, checked on every generated token, and the thread that feeds
 them.
 
 A model process gives each request a ``Gate``; the runtime calls its ``step`` once per
 generated token (streamed or not). ``step`` counts the token and raises ``Stopped`` when the
 client went away (its cancel flag), the request's deadline passed, or — for a non-stream
 request — the process is stopping. It costs no Redis round trip: the ``Watcher`` thread reads
-the cancel flag of the current request every ``POLL_S`` and sets an Event, and it writes the
-progress key (``keys.progress``) that the agent's stall watchdog reads.
+the cancel flags of the running requests every ``POLL_S`` and sets their Events, and it writes
+the progress key (``keys.progress``) that the agent's stall watchdog reads.
 """
 
 from __future__ import annotations
@@ -75,50 +75,70 @@ class Gate:
 
 
 class Watcher:
-    """The model process's watcher thread. While a request is ``current`` it reads that
-    request's cancel flag every POLL_S (one EXISTS) and, when the request is new or its tokens
-    advanced, writes the progress key — at most every PROGRESS_EVERY_S. Idle, it sends
+    """The model process's watcher thread. While requests run it reads their cancel flags
+    every POLL_S (one pipelined round trip for all of them) and, when a request is new or
+    tokens advanced, writes the progress key — at most every PROGRESS_EVERY_S. Idle, it sends
     nothing."""
 
     def __init__(self, r: redis.Redis, model: str) -> None:
         self.r = r
         self.model = model
-        self.current: Gate | None = None
+        self._gates: set[Gate] = set()
+        self._lock = threading.Lock()
+        self._any = threading.Event()  # set while a gate is watched: idle, the thread sleeps
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
         self._down = False
+
+    def add(self, gate: Gate) -> None:
+        with self._lock:
+            self._gates.add(gate)
+            self._any.set()
+
+    def remove(self, gate: Gate) -> None:
+        with self._lock:
+            self._gates.discard(gate)
+            if not self._gates:
+                self._any.clear()
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
         self._done.set()
+        self._any.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        written: Gate | None = None
-        written_steps = 0
+        written: dict[Gate, int] = {}  # steps of each gate when progress was last written
         written_at = 0.0
         while not self._done.wait(POLL_S):
-            gate = self.current
-            if gate is None:
+            with self._lock:
+                gates = list(self._gates)
+            if not gates:
+                written.clear()
+                self._any.wait()  # no wake-ups while the process is idle
                 continue
             now = time.monotonic()
-            new = gate is not written
-            due = new or (gate.steps != written_steps and now - written_at >= PROGRESS_EVERY_S)
+            new = any(g not in written for g in gates)
+            moved = any(written.get(g) != g.steps for g in gates)
+            due = new or (moved and now - written_at >= PROGRESS_EVERY_S)
             try:
                 pipe = self.r.pipeline(transaction=False)
-                pipe.exists(keys.cancel(gate.request_id))
+                for g in gates:
+                    pipe.exists(keys.cancel(g.request_id))
                 if due:
                     pipe.set(keys.progress(self.model), repr(time.time()), ex=keys.PROGRESS_TTL_S)
-                cancelled = pipe.execute()[0]
+                flags = pipe.execute()
             except REDIS_DOWN as e:
                 if not self._down:
                     log.warning("%s: watcher cannot reach Redis (%s)", self.model, e)
                 self._down = True
                 continue
             self._down = False
-            if cancelled:
-                gate.cancelled.set()
+            for g, cancelled in zip(gates, flags, strict=False):
+                if cancelled:
+                    g.cancelled.set()
             if due:
-                written, written_steps, written_at = gate, gate.steps, now
+                written = {g: g.steps for g in gates}
+                written_at = now

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
 import redis
@@ -35,7 +36,10 @@ from workers.runtime import LlamaRuntime, Runtime
 log = logging.getLogger("residency.model")
 T = TypeVar("T")
 
-TAKE_WAIT_S = 0.25  # how long an idle process blocks on its queue before checking control
+# How long an idle process blocks on its queue before it looks at control and ownership. An
+# eviction does not wait for it: the coordinator unblocks the read (CLIENT UNBLOCK on the
+# ``reader`` connection this process publishes) right after it asks for the unload.
+TAKE_WAIT_S = 1.0
 REDIS_BACKOFF_S = (0.1, 2.0)  # first and longest wait between tries while Redis is unreachable
 # A reply stream's TTL is renewed this often while it runs (it expires REPLY_TTL_S after the
 # last renewal, so a stream longer than the TTL never loses its key mid-reply).
@@ -75,6 +79,8 @@ class ModelProcess:
         self._next_check = 0.0
         # Started by serve(): reads the current request's cancel flag and writes progress.
         self.watcher = Watcher(r, model)
+        self.parallel = 1  # slots, known once loaded
+        self.waker: Waker | None = None  # made at load, just before the commit
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -95,6 +101,7 @@ class ModelProcess:
                 # a symlink that leads out of the model directories since.
                 registry.check_path(self.spec.path, self.model_dirs)
             self.runtime.load(self.spec, self.device)
+            self.parallel = self.runtime.parallel
         except Exception as e:
             if self.stop.is_set():
                 log.info("%s: load stopped by shutdown", self.model)
@@ -109,6 +116,10 @@ class ModelProcess:
             log.info("%s: stopped during its load; not committing it", self.model)
             return False
         now = time.time()
+        # The blocking connection of the queue reads, made now so that its id is published
+        # with the state: a stop unblocks it from inside, an eviction from the coordinator.
+        self.waker = Waker(self.r, self.stop)
+        reader = self.retrying("open the queue connection", self.waker.client_id)
         ok, res = self.retrying(
             "commit the load",
             lambda: self.scripts.commit_load(
@@ -118,6 +129,8 @@ class ModelProcess:
                 ready_event=self._event(EventType.READY),
                 fields={
                     "pid": os.getpid(),
+                    "parallel": self.parallel,
+                    "reader": reader,
                     "loaded_at": now,
                     "load_seconds": round(seconds, 4),
                     "last_used": now,
@@ -127,6 +140,7 @@ class ModelProcess:
         )
         if not ok:
             log.warning("load of %s finished but the state is %s now; exiting", self.model, res)
+            self.waker.close()
             return False
         if res == "recheck":
             log.info("%s: the limits changed while it loaded; asked for a full pass", self.model)
@@ -151,9 +165,13 @@ class ModelProcess:
     # -- serve ------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        waker = Waker(self.r, self.stop)  # a stop unblocks the queue read at once
+        waker = self.waker or Waker(self.r, self.stop)  # a stop unblocks the queue read at once
         self._next_check = time.monotonic() + OWNERSHIP_CHECK_S
         self.watcher.start()
+        # One thread per slot serves a request from its queue entry to its last reply; the
+        # runtime decodes all of them together.
+        self._free = threading.Semaphore(self.parallel)
+        self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="request")
 
         def step() -> bool:  # True: exit (stopped, unloaded, or no longer the owner)
             return self.stop.is_set() or self.serve_once(waker)
@@ -164,24 +182,33 @@ class ModelProcess:
         except REDIS_DOWN:
             pass  # stopped while Redis was down
         finally:
+            self._pool.shutdown(wait=True)  # the requests in flight end first
             self.watcher.close()
             waker.close()
 
     def serve_once(self, waker: Waker) -> bool:
-        """Take and serve at most one request, then look at control and (every
-        OWNERSHIP_CHECK_S) ownership; True when the process should exit: it unloaded, or its
-        state is no longer its own (reaped, or lost with a Redis that restarted empty)."""
-        with waker.reading() as blocking:
-            raw = blmove(
-                blocking,
-                keys.queue(self.model),
-                keys.processing(self.model),
-                TAKE_WAIT_S,
-                "RIGHT",
-                "LEFT",
-            )
-        if raw is not None:
-            self.handle(raw)
+        """Take at most one request while a slot is free and start serving it, then look at
+        control and (every OWNERSHIP_CHECK_S) ownership; True when the process should exit: it
+        unloaded, or its state is no longer its own (reaped, or lost with a Redis that
+        restarted empty)."""
+        if self._free.acquire(timeout=TAKE_WAIT_S):
+            try:
+                with waker.reading() as blocking:
+                    raw = blmove(
+                        blocking,
+                        keys.queue(self.model),
+                        keys.processing(self.model),
+                        TAKE_WAIT_S,
+                        "RIGHT",
+                        "LEFT",
+                    )
+            except BaseException:
+                self._free.release()
+                raise
+            if raw is None:
+                self._free.release()
+            else:
+                self._pool.submit(self._serve_request, raw)
         if self.check_control() == "unloaded":
             return True
         if time.monotonic() >= self._next_check:
@@ -216,6 +243,16 @@ class ModelProcess:
         log.info("%s: unload request -> %s", self.model, res)
         return res
 
+    def _serve_request(self, raw: str) -> None:
+        try:
+            self.handle(raw)
+        except BaseException:
+            # Only a stop while Redis is down gets here (handle answers everything else); the
+            # request stays on the processing list for the agent to hand back.
+            log.exception("%s: request left unfinished", self.model)
+        finally:
+            self._free.release()
+
     def handle(self, raw: str) -> None:
         try:
             req = Request.loads(raw)
@@ -233,11 +270,11 @@ class ModelProcess:
             elif gate.expired():
                 last = self._deadline_error(req)  # answered without generating
             else:
-                self.watcher.current = gate
+                self.watcher.add(gate)
                 try:
                     last = self.generate(req, gate)
                 finally:
-                    self.watcher.current = None
+                    self.watcher.remove(gate)
         except Stopped as e:
             if e.reason is Reason.SHUTDOWN:
                 log.info("%s: request %s left for the agent to requeue", self.model, req.id)

@@ -5,14 +5,24 @@ delay or failure wraps the real one (``workers.faults``) behind the same interfa
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import random
 import re
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import numpy as np
+
 from residency.errors import ApiError
 from residency.settings import ModelSpec
-from workers import devices
+from workers import completion, devices
+from workers.completion import Pieces
+from workers.engine import Backend, Engine, Sampling
+
+#: Tokens the repetition penalties look back over (llama-cpp-python's default).
+PENALTY_LAST_N = 64
 
 #: Called by a runtime once per generated token, streamed or not; raising ends the generation
 #: (the model process's ``workers.gate.Gate.step``: cancel, deadline, shutdown).
@@ -20,6 +30,11 @@ OnStep = Callable[[], None]
 
 
 class Runtime(Protocol):
+    @property
+    def parallel(self) -> int:
+        """Requests it serves at once (known after load); the model process runs that many."""
+        ...
+
     def load(self, spec: ModelSpec, device: str) -> None: ...
 
     def chat(
@@ -40,7 +55,6 @@ class Runtime(Protocol):
 # no room for one generated token; an embedding input must fit in one batch.
 _CONTEXT = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
 _BATCH = re.compile(r"Requested tokens \((\d+)\) exceed batch size of (\d+)")
-_NO_LOGPROBS = "logprobs is not supported"
 
 
 def _client_error(e: ValueError, param: str) -> ApiError | None:
@@ -63,10 +77,6 @@ def _client_error(e: ValueError, param: str) -> ApiError | None:
             param=param,
             code="context_length_exceeded",
         )
-    if _NO_LOGPROBS in msg:
-        return ApiError(
-            400, "logprobs are not supported by this server", param="logprobs", code="unsupported"
-        )
     return None
 
 
@@ -82,54 +92,184 @@ def _client_errors(param: str) -> Iterator[None]:
         raise err from None
 
 
-def _guarded(
-    chunks: Iterator[dict[str, Any]], param: str, done: Callable[[], None]
-) -> Iterator[dict[str, Any]]:
-    # A stream raises on its first chunk; closing this generator closes llama.cpp's.
-    try:
-        with _client_errors(param):
-            yield from chunks
-    finally:
-        done()
+def _guarded(chunks: Iterator[dict[str, Any]], param: str) -> Iterator[dict[str, Any]]:
+    # Closing this generator closes the engine's (which cancels its job).
+    with _client_errors(param):
+        yield from chunks
+
+
+# The gate of the request the calling thread serves: ``create_completion`` is reached through
+# llama-cpp-python's chat handlers, which pass on no argument of ours.
+_serving = threading.local()
 
 
 @functools.cache
-def _stepped_llama() -> Any:
-    """llama_cpp.Llama whose token loop calls ``on_step`` before it hands out each token.
-    ``generate`` is the one loop every completion passes through, chat or not, streamed or
-    not; llama-cpp-python's own hook for this, ``stopping_criteria``, is not passed through
-    ``create_chat_completion`` (0.3), and an exception raised in a logits processor is lost in
-    its C callback."""
+def _batched_llama() -> Any:
+    """llama_cpp.Llama whose ``create_completion`` runs on the batched engine. Its chat handlers
+    (formatters, tools, response_format grammars) call ``create_completion`` on the model
+    object, so chat requests reach the engine through them unchanged."""
     import llama_cpp  # imported here: web and coordinator processes never need it
 
-    class SteppedLlama(llama_cpp.Llama):
-        on_step: OnStep | None = None
+    class BatchedLlama(llama_cpp.Llama):
+        engine: Engine | None = None
+        pieces: Pieces | None = None
 
-        # Forwards every argument unchanged; only the token loop is wrapped.
-        def generate(self, *args: Any, **kwargs: Any) -> Iterator[int]:  # type: ignore[override]
-            on_step = self.on_step
-            inner = super().generate(*args, **kwargs)
-            try:
-                for token in inner:
-                    if on_step is not None:
-                        on_step()
-                    yield token
-            finally:
-                inner.close()
+        def __init__(self, *args: Any, sequences: int = 1, **kwargs: Any) -> None:
+            self._sequences = sequences
+            super().__init__(*args, **kwargs)
 
-    return SteppedLlama
+        # The constructor makes its context from these parameters right after it sets them:
+        # every assignment gets ``sequences`` sequences, each with its own KV cells (not
+        # unified, so one slot's long prompt never takes another's room), and n_ctx is their
+        # total. One context, made once.
+        @property
+        def context_params(self) -> Any:
+            return self._context_params
+
+        @context_params.setter
+        def context_params(self, params: Any) -> None:
+            params.n_seq_max = self._sequences
+            params.kv_unified = False
+            self._context_params = params
+
+        def create_completion(self, prompt: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            assert self.engine is not None and self.pieces is not None
+            on_step = getattr(_serving, "on_step", None)
+            return completion.create(
+                self, self.engine, self.pieces, on_step, prompt=prompt, **kwargs
+            )
+
+    return BatchedLlama
+
+
+class LlamaBackend:
+    """The engine's view of one llama.cpp context (``workers.engine.Backend``): its batch,
+    decode, samplers, logits and per-sequence memory."""
+
+    def __init__(self, llm: Any, n_batch: int) -> None:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        self._lib = llama_cpp
+        self._internals = _internals
+        self._llm = llm
+        self._ctx = llm._ctx
+        self._mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+        self._vocab = llm._model.vocab
+        self.n_vocab = int(llm.n_vocab())
+        self._batch = _internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
+        self._n = 0
+
+    def sampler(self, sp: Sampling) -> Any:
+        """llama-cpp-python's own chain, in its order: bias, penalties, grammar, then greedy
+        (temperature 0), mirostat, or top-k / typical / top-p / min-p / temperature / draw."""
+        s = self._internals.LlamaSampler()
+        seed = sp.seed if sp.seed is not None else random.getrandbits(32)
+        if sp.logit_bias:
+            s.add_logit_bias(self.n_vocab, sp.logit_bias)
+        s.add_penalties(
+            n_vocab=self.n_vocab,
+            penalty_last_n=PENALTY_LAST_N,
+            penalty_repeat=sp.repeat_penalty,
+            penalty_freq=sp.frequency_penalty,
+            penalty_present=sp.presence_penalty,
+        )
+        if sp.grammar is not None:
+            s.add_grammar(self._llm._model, sp.grammar)
+        if sp.temperature < 0:
+            s.add_dist(seed)
+        elif sp.temperature == 0:
+            s.add_greedy()
+        elif sp.mirostat_mode == 1:
+            s.add_mirostat(self.n_vocab, seed, sp.mirostat_tau, sp.mirostat_eta, 100)
+        elif sp.mirostat_mode == 2:
+            s.add_mirostat_v2(seed, sp.mirostat_tau, sp.mirostat_eta)
+        else:
+            s.add_top_k(sp.top_k)
+            s.add_typical(sp.typical_p, 1)
+            s.add_top_p(sp.top_p, 1)
+            s.add_min_p(sp.min_p, 1)
+            s.add_temp(sp.temperature)
+            s.add_dist(seed)
+        return s
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> None:
+        b, n = self._batch.batch, self._n
+        b.token[n] = token
+        b.pos[n] = pos
+        b.n_seq_id[n] = 1
+        b.seq_id[n][0] = seq
+        b.logits[n] = logits
+        self._n = n + 1
+
+    def decode(self) -> int:
+        self._batch.batch.n_tokens, self._n = self._n, 0
+        return int(self._lib.llama_decode(self._ctx.ctx, self._batch.batch))
+
+    def sample(self, sampler: Any, idx: int) -> int:
+        return int(sampler.sample(self._ctx, idx))
+
+    def logits(self, idx: int) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self._ctx.ctx, idx)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def seq_rm(self, seq: int, p0: int) -> bool:
+        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, -1))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    def piece(self, token: int) -> bytes:
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n  # the piece needs this many bytes
+
+    def fim(self) -> tuple[int, int, int] | None:
+        lib, v = self._lib, self._vocab
+        toks = (lib.llama_vocab_fim_pre(v), lib.llama_vocab_fim_suf(v), lib.llama_vocab_fim_mid(v))
+        return toks if min(toks) >= 0 else None
+
+    def close(self) -> None:
+        self._batch.close()
 
 
 class LlamaRuntime:
-    def __init__(self) -> None:
+    """``wrap`` wraps the engine's backend: a test that must decide when each step runs puts
+    a gate in front of the real one (same interface)."""
+
+    def __init__(self, wrap: Callable[[Backend], Backend] | None = None) -> None:
+        self._wrap = wrap
         self._llm: Any = None
+        self._engine: Engine | None = None
+        self._parallel = 1
+
+    @property
+    def parallel(self) -> int:
+        return self._parallel
 
     def load(self, spec: ModelSpec, device: str) -> None:
         if spec.path is None:
             raise ValueError("a remote model is never loaded")
-        self._llm = _stepped_llama()(
+        embedding = spec.type == "embedding"
+        # Embeddings are one call per request: they run one at a time, on llama-cpp-python's
+        # own batch.
+        self._parallel = 1 if embedding else (spec.parallel or devices.default_parallel(device))
+        import llama_cpp
+
+        kind: dict[str, Any] = (
+            {"embedding": True}
+            if embedding
+            else {"sequences": self.parallel, "n_ctx": spec.n_ctx * self.parallel}
+        )
+        self._llm = (llama_cpp.Llama if embedding else _batched_llama())(
             model_path=spec.path,
-            n_ctx=spec.n_ctx,
             # A CPU device never offloads, whatever the spec asks for a GPU host.
             n_gpu_layers=spec.n_gpu_layers if device != "cpu" else 0,
             # Unset: one thread per core this process may run on (llama-cpp-python's default
@@ -138,9 +278,22 @@ class LlamaRuntime:
             n_threads_batch=spec.n_threads_batch or devices.default_threads(),
             n_batch=spec.n_batch,
             chat_format=spec.chat_format,
-            embedding=spec.type == "embedding",
             verbose=False,
+            **({"n_ctx": spec.n_ctx} | kind),
         )
+        if not embedding:
+            n_batch = max(spec.n_batch, self.parallel)
+            backend = LlamaBackend(self._llm, n_batch)
+            engine_backend: Backend = self._wrap(backend) if self._wrap else backend
+            self._engine = Engine(engine_backend, self.parallel, spec.n_ctx, n_batch)
+            self._llm.engine = self._engine
+            self._llm.pieces = Pieces(backend.piece, backend.fim())
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("no engine: not loaded, or an embedding model")
+        return self._engine
 
     @staticmethod
     def warm_up() -> None:
@@ -173,24 +326,15 @@ class LlamaRuntime:
         on_step: OnStep | None,
     ) -> Any:
         self._check_logit_bias(params)
-        llm = self.llm
-
-        def done() -> None:
-            llm.on_step = None
-
-        # Read by the token loop when it starts (a stream's on its first chunk); one generation
-        # runs at a time, so the next request cannot replace it before then.
-        llm.on_step = on_step
+        # Read by create_completion in this thread before it returns: a stream's job is
+        # submitted at once, and its chunks call the gate they captured.
+        _serving.on_step = on_step
         try:
             with _client_errors(param):
                 out = create(**params, stream=stream)
-        except BaseException:
-            done()
-            raise
-        if stream:
-            return _guarded(out, param, done)
-        done()
-        return out
+        finally:
+            _serving.on_step = None
+        return _guarded(out, param) if stream else out
 
     def _check_logit_bias(self, params: dict[str, Any]) -> None:
         # llama.cpp indexes the logits with these ids: one past the vocabulary is an IndexError.
@@ -210,6 +354,9 @@ class LlamaRuntime:
             return dict(self.llm.create_embedding(inputs))
 
     def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         if self._llm is not None:
             self._llm.close()
             self._llm = None

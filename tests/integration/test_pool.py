@@ -23,8 +23,15 @@ from web.app import create_app
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
+# create_app compiles werkzeug's URL rules with ast.parse, which CPython 3.11 before 3.11.9 does
+# not make thread-safe ("SystemError: AST constructor recursion depth mismatch" when two threads
+# build apps at once): tests that make clients in threads build one app at a time.
+_APP_LOCK = threading.Lock()
+
+
 def client_for(pool: Pool) -> FlaskClient:
-    return create_app(pool.box).test_client()
+    with _APP_LOCK:
+        return create_app(pool.box).test_client()
 
 
 def chat(c: FlaskClient, model: str, **kw: Any) -> Any:

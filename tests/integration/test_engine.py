@@ -1,0 +1,334 @@
+"""The batched engine on real llama.cpp (the tiny GGUF), through the runtime the model process
+uses: continuous batching, equal outputs batched or not, grammars in a full batch, logprobs,
+stop strings, and the slot prompt cache.
+
+Where a test must know what happened at each step (who joined when, which slot kept what), the
+real backend sits behind ``Stepper``, which lets one ``llama_decode`` through per permit: same
+interface, real decoding, the order decided by the test instead of the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from residency.settings import ModelSpec
+from workers.engine import Backend, End, Job, Sampling, Token
+from workers.runtime import LlamaRuntime
+from workers.slots import SlotState
+
+WAIT_S = 60.0  # bounds a broken test only
+
+
+class Stepper:
+    """A backend whose ``decode`` waits for a permit from the test."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.n_vocab = inner.n_vocab
+        self._permits = threading.Semaphore(0)
+        self.decoded = threading.Semaphore(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def decode(self) -> int:
+        assert self._permits.acquire(timeout=WAIT_S), "the test never let a step through"
+        rc = self.inner.decode()
+        self.decoded.release()
+        return rc
+
+    def until(self, pred: Callable[[], bool]) -> int:
+        """Let decodes through one at a time until ``pred()`` holds (checked between them, and
+        while the engine has nothing to decode); the steps it took."""
+        steps, outstanding = 0, False
+        deadline = time.monotonic() + WAIT_S
+        while not pred():
+            if not outstanding:
+                self._permits.release()
+                outstanding = True
+            if self.decoded.acquire(timeout=0.005):
+                steps, outstanding = steps + 1, False
+                deadline = time.monotonic() + WAIT_S
+            assert time.monotonic() < deadline, "condition not reached"
+        return steps
+
+    def release_all(self) -> None:
+        for _ in range(100000):
+            self._permits.release()
+
+
+def runtime(path: Path, parallel: int, n_ctx: int = 512, **kw: Any) -> LlamaRuntime:
+    rt = LlamaRuntime(**kw)
+    rt.load(ModelSpec(path=str(path), n_ctx=n_ctx, parallel=parallel), "cpu")
+    return rt
+
+
+@pytest.fixture
+def tiny(models_dir: Path) -> Path:
+    return models_dir / "tiny0.gguf"
+
+
+@pytest.fixture
+def stepped(tiny: Path) -> Iterator[tuple[LlamaRuntime, Stepper]]:
+    holder: list[Stepper] = []
+
+    def wrap(b: Backend) -> Backend:
+        holder.append(Stepper(b))
+        return holder[0]
+
+    rt = runtime(tiny, parallel=5, n_ctx=2048, wrap=wrap)
+    yield rt, holder[0]
+    holder[0].release_all()
+    rt.close()
+
+
+class Collector:
+    """Drains a job on its own thread, noting at which engine step each token came."""
+
+    def __init__(self, rt: LlamaRuntime, job: Job) -> None:
+        self.job = job
+        self.tokens: list[Token] = []
+        self.end: str | None = None
+        self._rt = rt
+        self.first_step: int | None = None
+        self.end_step: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.job.next()
+            step = self._rt.engine.steps
+            if isinstance(item, End):
+                self.end, self.end_step = item.reason, step
+                return
+            if self.first_step is None:
+                self.first_step = step
+            self.tokens.append(item)
+
+
+def keep_busy(rt: LlamaRuntime, st: Stepper, n: int) -> list[Collector]:
+    """``n`` long generations in slots of their own, each past its first token."""
+    others = [Collector(rt, job(rt, f"someone else {i}", 1500)) for i in range(n)]
+    st.until(lambda: all(c.tokens for c in others))
+    return others
+
+
+def job(rt: LlamaRuntime, text: str, max_tokens: int, **sampling: Any) -> Job:
+    prompt = rt.llm.tokenize(text.encode(), add_bos=True, special=True)
+    return rt.engine.submit(Job(prompt, max_tokens, Sampling(temperature=0, **sampling)))
+
+
+def test_a_request_joins_the_running_batch_and_gets_its_first_token_before_the_others_end(
+    stepped: tuple[LlamaRuntime, Stepper],
+) -> None:
+    rt, st = stepped
+    first = [Collector(rt, job(rt, f"story number {i}", 40)) for i in range(3)]
+    st.until(lambda: all(len(c.tokens) >= 5 for c in first))
+    late = Collector(rt, job(rt, "a late arrival", 5))
+    st.until(lambda: late.end is not None)
+    # It got its tokens while the others were still generating: one batch, not a queue.
+    assert late.first_step is not None and late.end_step is not None
+    assert all(c.end is None for c in first)
+    jobs = [c.job for c in first]
+    assert all(s.state is SlotState.GENERATE for s in rt.engine.slots if s.job in jobs)
+    st.until(lambda: all(c.end is not None for c in first))
+    assert [c.end for c in first] == ["length"] * 3
+    # Every step decoded all of them together: ~40 steps for 3 x 40 tokens, not 120.
+    assert rt.engine.steps < 60
+
+
+def test_outputs_at_temperature_0_are_the_same_batched_and_one_at_a_time(tiny: Path) -> None:
+    prompts = [f"tell me about topic {i}" for i in range(4)]
+    one = runtime(tiny, parallel=1)
+    try:
+        alone = [
+            one.completion({"prompt": p, "max_tokens": 24, "temperature": 0, "seed": 7}, False)
+            for p in prompts
+        ]
+    finally:
+        one.close()
+    four = runtime(tiny, parallel=4)
+    try:
+        out: dict[int, Any] = {}
+        barrier = threading.Barrier(4)
+
+        def go(i: int) -> None:
+            barrier.wait()
+            out[i] = four.completion(
+                {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "seed": 7}, False
+            )
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        batched_steps = four.engine.steps
+    finally:
+        four.close()
+    assert [o["choices"][0]["text"] for o in alone] == [
+        out[i]["choices"][0]["text"] for i in range(4)
+    ]
+    assert all(o["usage"]["completion_tokens"] == 24 for o in alone)
+    assert batched_steps < 4 * 24  # they did share steps
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def test_a_json_schema_answer_in_a_full_batch_parses_against_its_schema(
+    stepped: tuple[LlamaRuntime, Stepper],
+) -> None:
+    rt, st = stepped
+    others = keep_busy(rt, st, 4)
+    box: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: box.update(
+            out=rt.chat(
+                {
+                    "messages": [{"role": "user", "content": "a person as JSON"}],
+                    "response_format": {"type": "json_object", "schema": SCHEMA},
+                    "max_tokens": 300,
+                    "temperature": 0,
+                },
+                False,
+            )
+        ),
+        daemon=True,
+    )
+    t.start()
+    st.until(lambda: rt.engine.busy() == 5)  # every slot taken: a full batch
+    st.until(lambda: not t.is_alive())
+    # The four others were in every step of it, and go on.
+    assert all(c.end is None for c in others)
+    for c in others:
+        c.job.cancel()
+    doc = json.loads(box["out"]["choices"][0]["message"]["content"])
+    assert set(doc) == {"name", "age"}
+    assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
+    assert isinstance(doc["age"], int)
+
+
+def test_logprobs_and_stop_strings_work_batched(tiny: Path) -> None:
+    rt = runtime(tiny, parallel=4)
+    try:
+        plain = rt.completion({"prompt": "abc", "max_tokens": 12, "temperature": 0}, False)
+        text = plain["choices"][0]["text"]
+        # Stop at a piece of the text it would write: the answer ends just before it.
+        cut = text[4:7]
+        assert cut.strip()
+        stopped = rt.completion(
+            {"prompt": "abc", "max_tokens": 12, "temperature": 0, "stop": [cut]}, False
+        )
+        assert stopped["choices"][0]["text"] == text[: text.index(cut)]
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        chunks = list(
+            rt.completion(
+                {"prompt": "abc", "max_tokens": 12, "temperature": 0, "stop": [cut]}, True
+            )
+        )
+        streamed = "".join(c["choices"][0]["text"] for c in chunks)
+        assert streamed == stopped["choices"][0]["text"]
+        lp = rt.completion(
+            {"prompt": "abc", "max_tokens": 6, "temperature": 0, "logprobs": 3}, False
+        )["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 6
+        assert "".join(lp["tokens"]) == text[: len("".join(lp["tokens"]))]
+        for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert chosen <= 0
+            # Greedy: the chosen token is the most likely one.
+            assert chosen == pytest.approx(max(top.values()))
+            assert len(top) <= 4
+        chat = rt.chat(
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+            False,
+        )
+        assert isinstance(chat, dict)
+        content = chat["choices"][0]["logprobs"]["content"]
+        assert len(content) == 4 and all(len(c["top_logprobs"]) >= 2 for c in content)
+    finally:
+        rt.close()
+
+
+def test_a_seed_repeats_a_sampled_answer(tiny: Path) -> None:
+    rt = runtime(tiny, parallel=2)
+    try:
+        params = {"prompt": "once upon", "max_tokens": 16, "temperature": 1.0, "seed": 42}
+        a = rt.completion(params, False)["choices"][0]["text"]
+        b = rt.completion(params, False)["choices"][0]["text"]
+        c = rt.completion({**params, "seed": 43}, False)["choices"][0]["text"]
+    finally:
+        rt.close()
+    assert a == b
+    assert a != c
+
+
+def conversation_turn(history: list[dict[str, str]], i: int) -> list[dict[str, str]]:
+    # ~100 tokens of new user text a turn (the tiny vocabulary spells most words by pieces).
+    words = " ".join(f"word{i}x{j}" for j in range(25))
+    return [*history, {"role": "user", "content": f"turn {i}: {words}"}]
+
+
+def test_a_follow_up_turn_prefills_only_its_new_tokens_with_four_slots_busy(
+    stepped: tuple[LlamaRuntime, Stepper],
+) -> None:
+    rt, st = stepped
+    others = keep_busy(rt, st, 4)
+    history: list[dict[str, str]] = []
+    for i in range(10):
+        history = conversation_turn(history, i)
+    assert rt.engine.busy() == 4
+
+    def ask(messages: list[dict[str, str]]) -> dict[str, Any]:
+        box: dict[str, Any] = {}
+        t = threading.Thread(
+            target=lambda: box.update(
+                out=rt.chat({"messages": messages, "max_tokens": 8, "temperature": 0}, False)
+            ),
+            daemon=True,
+        )
+        t.start()
+        st.until(lambda: not t.is_alive())
+        return box["out"]
+
+    before = rt.engine.prefilled
+    first = ask(history)
+    usage1 = first["usage"]
+    assert usage1["prompt_tokens"] > 1000
+    assert usage1["prompt_tokens_details"]["cached_tokens"] == 0
+    assert rt.engine.prefilled - before == usage1["prompt_tokens"]
+
+    history = conversation_turn(
+        [*history, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}],
+        10,
+    )
+    before = rt.engine.prefilled
+    second = ask(history)
+    usage2 = second["usage"]
+    cached = usage2["prompt_tokens_details"]["cached_tokens"]
+    # The whole first prompt came from its slot; only what is new was decoded.
+    assert cached >= usage1["prompt_tokens"]
+    assert rt.engine.prefilled - before == usage2["prompt_tokens"] - cached
+    assert usage2["prompt_tokens"] - cached < 200
+    # The others kept their slots and went on generating throughout.
+    assert all(c.end is None for c in others)
+    assert rt.engine.busy() == 4
+    for c in others:
+        c.job.cancel()

@@ -1,0 +1,362 @@
+"""The batched engine: up to N requests of one model decoded together (continuous batching).
+
+One thread owns the llama.cpp context. Each step it builds one batch: the last sampled token of
+every generating slot, then as many prompt tokens of prefilling slots as the batch has room for
+(a long prompt is prefilled in chunks, so the other streams keep getting a token per step),
+calls ``llama_decode`` once, and samples a token for every slot whose logits it asked for, each
+with its own sampler chain (penalties, grammar, temperature…, seed). A request submitted while
+others run joins the batch at the next step.
+
+Requests arrive as ``Job``s from the threads that serve them; tokens go back on each job's own
+queue. Turning tokens into text (stop strings, UTF-8) is the serving thread's work
+(``workers.completion``), so this thread does nothing but decode and sample.
+
+It drives llama-cpp-python's low-level pieces (``LlamaBatch``, ``llama_decode``,
+``LlamaSampler`` chains, per-sequence KV memory) through a ``Backend``, which
+``workers.runtime`` implements: that module stays the only one that imports ``llama_cpp``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from workers.slots import SlotState, check_transition, choose
+
+log = logging.getLogger("residency.model")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampler chain, with llama-cpp-python's ``create_completion`` defaults and
+    argument names (``temperature``, not ``temp``)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    mirostat_mode: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: Any = None  # a llama_cpp.LlamaGrammar
+
+
+class Sampler(Protocol):
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """One llama.cpp context of ``n_slots`` sequences, as the engine thread uses it."""
+
+    n_vocab: int
+
+    def sampler(self, sampling: Sampling) -> Sampler: ...
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> None: ...
+    def decode(self) -> int: ...  # the batch added since the last decode; 0 when it worked
+    def sample(self, sampler: Sampler, idx: int) -> int: ...
+    def logits(self, idx: int) -> np.ndarray: ...  # of the last decode's batch index idx
+    def is_eog(self, token: int) -> bool: ...
+    def seq_rm(self, seq: int, p0: int) -> bool: ...  # drop positions p0.. (-1: all)
+    def seq_pos_min(self, seq: int) -> int: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    logprob: float | None = None  # with logprobs asked for: log-softmax of the raw logits
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there, best first
+
+
+@dataclass(frozen=True)
+class End:
+    reason: str  # "stop": an end-of-generation token; "length": max_tokens or the context
+
+
+class Job:
+    """One request on its way through the engine. ``n_probs`` is None without logprobs, else
+    how many alternatives to report per token. ``stop_token`` may end the generation at a
+    token (a chat format's own stop token) before it is handed out."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        n_probs: int | None = None,
+        stop_token: Callable[[list[int]], bool] | None = None,
+    ) -> None:
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.n_probs = n_probs
+        self.stop_token = stop_token
+        self.cached = 0  # prompt tokens reused from its slot's memory (set when it gets one)
+        self.sampler: Any = None  # built by Engine.submit
+        self._out: queue.SimpleQueue[Token | End | BaseException] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """The consumer is gone or has seen enough (a stop string): the slot is freed at the
+        next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def next(self) -> Token | End:
+        """The next token, or the end; raises what failed the job."""
+        item = self._out.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def put(self, item: Token | End | BaseException) -> None:
+        self._out.put(item)
+
+
+@dataclass
+class Slot:
+    seq: int
+    state: SlotState = SlotState.FREE
+    cached: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds
+    job: Job | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to decode
+    last: int = -1  # the sampled token not decoded yet
+    generated: int = 0
+    used: float = 0.0  # when its last request ended (monotonic)
+    admitted: int = 0  # arrival order, for fair prefill
+
+    def move(self, new: SlotState) -> None:
+        check_transition(self.state, new)
+        self.state = new
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+class Engine:
+    """Runs ``backend``'s context of ``n_slots`` sequences of ``n_ctx_slot`` tokens each;
+    ``n_batch`` bounds the tokens of one step."""
+
+    def __init__(self, backend: Backend, n_slots: int, n_ctx_slot: int, n_batch: int) -> None:
+        self._b = backend
+        self.n_vocab = backend.n_vocab
+        self.n_ctx_slot = n_ctx_slot
+        # Every generating slot needs a place in each step's batch, beside prompt chunks.
+        self.n_batch = max(n_batch, n_slots)
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._waiting: deque[Job] = deque()
+        self._arrivals = 0
+        self._closed = threading.Event()
+        self.prefilled = 0  # prompt tokens decoded (cached ones excluded), for tests and stats
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- the serving threads' side ----------------------------------------------------------
+
+    def submit(self, job: Job) -> Job:
+        if self._closed.is_set():
+            raise EngineClosed("the engine is closed")
+        if len(job.prompt) >= self.n_ctx_slot:
+            # The message llama-cpp-python uses, which the runtime maps to a client's 400.
+            raise ValueError(
+                f"Requested tokens ({len(job.prompt)}) exceed context window of {self.n_ctx_slot}"
+            )
+        job.sampler = self._b.sampler(job.sampling)
+        self._inbox.put(job)
+        return job
+
+    def busy(self) -> int:
+        return sum(1 for s in self.slots if s.state is not SlotState.FREE)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        self._fail_all(EngineClosed("the model process is stopping"))  # late arrivals
+        self._b.close()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                self._take_arrivals()
+                self._drop_cancelled()
+                self._admit()
+                if any(s.state is not SlotState.FREE for s in self.slots):
+                    self._step()
+        except Exception as e:  # a bug here must not leave serving threads waiting forever
+            log.exception("the engine stopped")
+            self._fail_all(e)
+            self._closed.set()
+            return
+        self._fail_all(EngineClosed("the model process is stopping"))
+
+    def _take_arrivals(self) -> None:
+        idle = all(s.state is SlotState.FREE for s in self.slots) and not self._waiting
+        try:
+            # Idle, the thread sleeps until a job (or close) arrives: no polling.
+            item = self._inbox.get() if idle else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self) -> None:
+        for s in self.slots:
+            if s.job is not None and s.job.cancelled:
+                self._finish(s, None)
+        self._waiting = deque(j for j in self._waiting if not j.cancelled)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            free = [(s.seq, s.cached, s.used) for s in self.slots if s.state is SlotState.FREE]
+            if not free:
+                return
+            job = self._waiting.popleft()
+            c = choose(free, job.prompt)
+            slot = self.slots[c.slot]
+            keep = self._trim(slot, c.keep)
+            slot.job = job
+            slot.pending = job.prompt[keep:]
+            slot.generated = 0
+            self._arrivals += 1
+            slot.admitted = self._arrivals
+            job.cached = keep
+            slot.move(SlotState.PREFILL)
+
+    def _trim(self, slot: Slot, keep: int) -> int:
+        """Drop the slot's cached tokens past ``keep``; the tokens actually kept (0 when this
+        memory cannot drop part of a sequence, or lost the start of it to a sliding window)."""
+        if keep < len(slot.cached) and not self._b.seq_rm(slot.seq, keep):
+            keep = 0
+        if keep > 0 and self._b.seq_pos_min(slot.seq) > 0:
+            keep = 0
+        if keep == 0:
+            self._b.seq_rm(slot.seq, -1)
+        del slot.cached[keep:]
+        return keep
+
+    def _step(self) -> None:
+        n = 0
+        sample: list[tuple[Slot, int]] = []
+        in_batch: list[Slot] = []
+
+        def put(slot: Slot, token: int, logits: bool) -> None:
+            nonlocal n
+            self._b.add(token, len(slot.cached), slot.seq, logits)
+            slot.cached.append(token)
+            n += 1
+
+        for s in self.slots:
+            if s.state is SlotState.GENERATE:
+                put(s, s.last, True)
+                sample.append((s, n - 1))
+                in_batch.append(s)
+        prefilling = sorted(
+            (s for s in self.slots if s.state is SlotState.PREFILL), key=lambda s: s.admitted
+        )
+        for s in prefilling:
+            room = self.n_batch - n
+            if room <= 0:
+                break
+            chunk, s.pending = s.pending[:room], s.pending[room:]
+            for i, t in enumerate(chunk):
+                # Logits only for a prompt's last token: its first generated token comes next.
+                put(s, t, not s.pending and i == len(chunk) - 1)
+            self.prefilled += len(chunk)
+            in_batch.append(s)
+            if not s.pending:
+                sample.append((s, n - 1))
+        rc = self._b.decode()
+        self.steps += 1
+        if rc != 0:
+            err = RuntimeError(f"llama_decode failed ({rc})")
+            for s in in_batch:
+                self._trim(s, 0)
+                self._finish(s, err)
+            return
+        for s, idx in sample:
+            self._sampled(s, idx)
+
+    def _sampled(self, s: Slot, idx: int) -> None:
+        job = s.job
+        assert job is not None
+        token = self._b.sample(job.sampler, idx)
+        if s.state is SlotState.PREFILL:
+            s.move(SlotState.GENERATE)
+        if self._b.is_eog(token) or (
+            job.stop_token is not None and job.stop_token([*s.cached, token])
+        ):
+            self._finish(s, End("stop"))
+            return
+        job.put(self._token(idx, token, job.n_probs))
+        s.generated += 1
+        s.last = token
+        if s.generated >= job.max_tokens or len(s.cached) + 1 >= self.n_ctx_slot:
+            self._finish(s, End("length"))
+
+    def _token(self, idx: int, token: int, n_probs: int | None) -> Token:
+        if n_probs is None:
+            return Token(token)
+        logits = self._b.logits(idx).astype(np.float64)
+        peak = float(logits.max())
+        lse = peak + math.log(float(np.exp(logits - peak).sum()))
+        top: tuple[tuple[int, float], ...] = ()
+        if n_probs > 0:
+            k = min(n_probs, self.n_vocab)
+            ids = np.argpartition(-logits, k - 1)[:k]
+            ids = ids[np.argsort(-logits[ids])]
+            top = tuple((int(i), float(logits[i]) - lse) for i in ids)
+        return Token(token, float(logits[token]) - lse, top)
+
+    def _finish(self, s: Slot, outcome: End | BaseException | None) -> None:
+        """End the slot's request (None: its consumer cancelled it); its memory stays cached."""
+        job = s.job
+        if job is not None:
+            if outcome is not None:
+                job.put(outcome)
+            job.sampler.close()
+        s.job = None
+        s.pending = []
+        s.used = time.monotonic()
+        s.move(SlotState.FREE)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for s in self.slots:
+            if s.job is not None:
+                self._finish(s, e)
+        while self._waiting:
+            self._waiting.popleft().put(e)
+        try:
+            while True:
+                item = self._inbox.get_nowait()
+                if item is not None:
+                    item.put(e)
+        except queue.Empty:
+            pass
