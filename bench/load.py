@@ -928,7 +928,7 @@ LEGEND = (
 
 
 def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Report:
-    models = make_models(tmp, args.quick)
+    models = [m for m in make_models(tmp, args.quick) if m.name in args.models]
     threads = len(os.sched_getaffinity(0))
     clients = max(args.clients)
     notes: list[str] = []
@@ -1000,6 +1000,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request (32)")
     ap.add_argument("--slots", type=int, default=8, help="parallel slots of the box and server (8)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (2; --quick: 1)")
+    ap.add_argument(
+        "--models",
+        type=lambda v: v.split(","),
+        default=["gemma", "tiny"],
+        help="comma-separated: gemma, tiny (both; --quick: tiny)",
+    )
     ap.add_argument(
         "--single-max-clients",
         type=int,

@@ -47,6 +47,11 @@ class ModelView:
     # ``failed`` under a token whose failure the coordinator has not settled yet (counted, its
     # waiting requests answered): settled before anything is decided for it.
     failure_pending: bool = False
+    # The waiting model this one gives its slot to, and since when (coordinator clock). While
+    # it holds a slot it is *yielding*: it takes nothing new from its queue. The fields outlive
+    # its unload until its next load, so the slot it gave goes to that model first.
+    yielding: str | None = None
+    yielding_since: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -64,6 +69,11 @@ class ModelView:
     @property
     def wants_load(self) -> bool:
         return self.queued > 0 or self.explicit == "load"
+
+    @property
+    def is_yielding(self) -> bool:
+        """Holds a slot it has been asked to give up (admits nothing new)."""
+        return self.yielding is not None and self.occupying
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,11 @@ class Snapshot:
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     failure_limit: int = keys.LOAD_FAILURE_LIMIT
     failure_window_s: float = keys.LOAD_FAILURE_WINDOW_S
+    # Fairness between models (``pool.max_busy_s``, ``pool.min_resident_s``): a model that has
+    # waited this long for a slot held by busy models makes one of them yield (0 = never), but
+    # never one loaded less than ``min_resident_s`` ago.
+    max_busy_s: float = 0.0
+    min_resident_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -143,11 +158,33 @@ class Backoff:
 
 
 @dataclass(frozen=True)
+class Yield:
+    """A busy resident gives its slot to ``for_model``, which has waited ``max_busy_s`` for one:
+    it takes nothing new from its queue, finishes what it runs, and is then evicted (reason
+    "yield") with its queued requests kept for its next turn."""
+
+    model: str
+    token: str
+    for_model: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A yielding model takes requests again: the model it yielded to no longer waits for its
+    slot (it got another, or its requests went), or it was pinned meanwhile."""
+
+    model: str
+    token: str
+
+
+@dataclass(frozen=True)
 class Wait:
     """Nothing to do now for this model; recorded so the decision can be logged and tested."""
 
     model: str
-    reason: str  # "no_worker" | "slot_draining" | "evicting" | "all_busy"
+    # "no_worker" | "slot_draining" | "evicting" | "all_busy" | "yielding" (a busy resident is
+    # finishing its work to give this model its slot)
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -158,14 +195,16 @@ class Blocked:
     over: int
 
 
-Action = Load | Evict | Reject | Reap | Backoff | Wait | Blocked
+Action = Load | Evict | Reject | Reap | Backoff | Yield | Resume | Wait | Blocked
 
 
 def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
     """Whether some decision can only progress when a busy model goes idle: then the model
     processes must report their busy -> idle edges (else the periodic pass suffices)."""
     for a in actions:
-        if isinstance(a, Blocked) or (isinstance(a, Wait) and a.reason == "all_busy"):
+        if isinstance(a, Blocked | Yield) or (
+            isinstance(a, Wait) and a.reason in ("all_busy", "yielding")
+        ):
             return True
     return any(
         m.busy
@@ -321,25 +360,48 @@ def _decide_pool(
     # Rule 2: routing helpers never take a standard slot, and their own pool has no cap.
     limit = snap.limits.get(typ, 1) if pool == STANDARD else -1
     occupying = [m for m in live.values() if m.type == typ and m.slot_pool == pool]
+    waiting = {
+        m.name: m
+        for m in snap.models.values()
+        if m.type == typ
+        and m.pool == pool
+        and m.registered
+        and m.wants_load
+        and m.explicit != "unload"
+        and m.state in (ModelState.UNLOADED, ModelState.FAILED)
+        and m.name not in backing_off
+    }
+    # Oldest demand first — except that a model which gave its slot to a waiting model goes
+    # after it (its own queued requests may be older: else the slot would come straight back).
     wanted = sorted(
-        (
-            m
-            for m in snap.models.values()
-            if m.type == typ
-            and m.pool == pool
-            and m.registered
-            and m.wants_load
-            and m.explicit != "unload"
-            and m.state in (ModelState.UNLOADED, ModelState.FAILED)
-            and m.name not in backing_off
+        waiting.values(),
+        key=lambda m: (
+            _gave_way(m, waiting),
+            m.demand_since if m.demand_since is not None else snap.now,
+            m.name,
         ),
-        key=lambda m: (m.demand_since if m.demand_since is not None else snap.now, m.name),
     )
     # Slots already on their way out (draining, or chosen above because deleted) are counted
     # as freeing: a wanted model waits for one rather than evicting another resident.
     freeing = sum(1 for m in occupying if m.state is ModelState.DRAINING or m.name in evicting)
     free = len(wanted) if limit == -1 else limit - len(occupying)
     victims = [v for v in lru_victims(occupying) if v.name not in evicting]
+    # Fairness: at most one resident of a pool yields at a time (a draining one included); a
+    # ready one that was pinned meanwhile is about to be called off and does not count.
+    yielding_for = {
+        m.yielding: m
+        for m in occupying
+        if m.is_yielding and m.state is ModelState.READY and m.name not in evicting
+    }
+    yielders = [
+        m
+        for m in occupying
+        if m.is_yielding
+        and m.name not in evicting
+        and not (m.state is ModelState.READY and m.pinned)
+    ]
+    kept: set[str] = set()  # yielders whose waiter still waits for them
+    taken: set[str] = set()  # idle residents evicted for a waiter in this pass
 
     for w in wanted:
         if free > 0:
@@ -355,12 +417,32 @@ def _decide_pool(
             out.append(Wait(w.name, "slot_draining"))
         elif victims:
             v = victims.pop(0)
+            taken.add(v.name)
             out.append(Evict(v.name, v.token, "lru"))
             out.append(Wait(w.name, "evicting"))
         elif occupying and all(m.pinned for m in occupying):
             out.append(Reject(w.name, "slots_pinned"))
+        elif (y := yielding_for.get(w.name)) is not None and not y.pinned:
+            # Its queued requests stay queued; only what it runs must end before it goes.
+            kept.add(y.name)
+            if y.name in taken:  # idle, and already evicted for an older waiter
+                out.append(Wait(w.name, "all_busy"))
+            elif y.in_flight == 0:
+                out.append(Evict(y.name, y.token, "yield"))
+                out.append(Wait(w.name, "evicting"))
+            else:
+                out.append(Wait(w.name, "yielding"))
+        elif not yielders and (y := _yield_candidate(snap, w, occupying, evicting)) is not None:
+            out.append(Yield(y.name, y.token, w.name))
+            out.append(Wait(w.name, "yielding"))
+            yielders.append(y)
         else:
             out.append(Wait(w.name, "all_busy"))
+    # A yield nobody waits for any more (its model got another slot, or left) is called off,
+    # unless the yielding model goes anyway (idle: evicted above like any other).
+    for y in yielding_for.values():
+        if y.name not in kept and y.name not in taken:
+            out.append(Resume(y.name, y.token))
 
     # Rule 4: a pool above its limit (the limit dropped) shrinks all the way, idle LRU first.
     if limit != -1:
@@ -372,6 +454,45 @@ def _decide_pool(
         if over > 0 and any(m.busy and not m.pinned for m in occupying):
             out.append(Blocked(typ, over))
     return out
+
+
+def _gave_way(m: ModelView, waiting: dict[str, ModelView]) -> bool:
+    """Whether ``m`` gave up its slot to a model that still waits, since before the yield."""
+    w = waiting.get(m.yielding or "")
+    return (
+        not m.occupying
+        and w is not None
+        and w.demand_since is not None
+        and m.yielding_since is not None
+        and w.demand_since <= m.yielding_since
+    )
+
+
+def _yield_candidate(
+    snap: Snapshot, w: ModelView, occupying: list[ModelView], evicting: set[str]
+) -> ModelView | None:
+    """The busy resident that should yield its slot to ``w``, or None: only once ``w``'s
+    oldest request has waited ``max_busy_s``, and never a pinned model or one loaded less than
+    ``min_resident_s`` ago (so two busy models take turns instead of thrashing). The one loaded
+    longest ago goes first."""
+    if (
+        snap.max_busy_s <= 0
+        or w.demand_since is None
+        or snap.now - w.demand_since < snap.max_busy_s
+    ):
+        return None
+    candidates = [
+        m
+        for m in occupying
+        if m.state is ModelState.READY
+        and m.busy
+        and not m.pinned
+        and not m.is_yielding
+        and m.name not in evicting
+        and m.loaded_at is not None
+        and snap.now - m.loaded_at >= snap.min_resident_s
+    ]
+    return min(candidates, key=lambda m: (m.loaded_at or 0.0, m.name), default=None)
 
 
 def eviction_score(m: ModelView, now: float) -> float:

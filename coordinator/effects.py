@@ -10,7 +10,6 @@ leader applies nothing more.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 import uuid
@@ -29,8 +28,10 @@ from coordinator.decide import (
     Load,
     Reap,
     Reject,
+    Resume,
     Snapshot,
     Wait,
+    Yield,
 )
 from residency import errors, keys, metrics, registry, work
 from residency.lua import Fenced, NotLeader, Scripts
@@ -105,6 +106,10 @@ class Effects:
             return 0
         if isinstance(a, Reap):
             return self.reap(a, snap.models[a.model].state, snap.now)
+        if isinstance(a, Yield):
+            return self.yield_slot(a, snap.now)
+        if isinstance(a, Resume):
+            return self.resume(a)
         if isinstance(a, Backoff):
             err = failures.load_backoff(
                 a.model, until=a.until, now=snap.now, failures=a.failures, last_error=a.last_error
@@ -183,6 +188,25 @@ class Effects:
         self._wake(a.model)
         self.evictions.append((self.pass_number, a.model, a.reason))
         log.info("evicting %s (%s)", a.model, a.reason)
+        return 1
+
+    def yield_slot(self, a: Yield, now: float) -> int:
+        """Mark the model yielding (for whom, since when) and wake its process, so it stops
+        taking requests within one wait. The mark outlives its unload until its next load
+        (``start_load.lua`` clears it): the slot it gives goes to ``for_model`` first."""
+        pipe = self.fenced()
+        pipe.hset(keys.model(a.model), mapping={"yielding": a.for_model, "yielding_since": now})
+        metrics.inc(pipe, metrics.YIELDS_TOTAL, {"model": a.model})
+        pipe.execute()
+        self._wake(a.model)
+        log.info("%s yields its slot to %s, which waited pool.max_busy_s", a.model, a.for_model)
+        return 1
+
+    def resume(self, a: Resume) -> int:
+        """Call a yield off: the model takes requests again (woken now, not after its wait)."""
+        self.fenced().hdel(keys.model(a.model), "yielding", "yielding_since").execute()
+        self._wake(a.model)
+        log.info("%s takes requests again: nobody waits for its slot any more", a.model)
         return 1
 
     def _wake(self, model: str) -> None:

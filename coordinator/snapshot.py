@@ -166,6 +166,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             failures=failures,
             last_error=last_error,
             failure_pending=_failure_pending(h),
+            yielding=h.get("yielding") or None,
+            yielding_since=_f(h.get("yielding_since")),
         )
     workers: dict[str, WorkerView] = {}
     worker_hashes: dict[str, dict[str, str]] = {}
@@ -191,6 +193,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         s.pool.load_timeout_s,
         auto_evict=s.pool.auto_evict,
         auto_evict_threshold=s.pool.auto_evict_threshold,
+        max_busy_s=s.pool.max_busy_s,
+        min_resident_s=s.pool.min_resident_s,
     )
     return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)))
 
@@ -240,6 +244,10 @@ def health_record(
                 "load_seconds": _f(h.get("load_seconds")),
                 "error": h.get("error") or None,
                 "backoff": backoff,
+                # A resident giving its slot to a waiting model: it admits nothing new.
+                "yielding": (
+                    {"for": m.yielding, "since": m.yielding_since} if m.is_yielding else None
+                ),
             }
         )
     workers = []

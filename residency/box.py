@@ -79,10 +79,10 @@ class Box:
             self.file_layer(), settings.env_layer(self.environ), origin=str(self.config_path or "")
         )
 
-    def redis(self) -> redis.Redis:
+    def redis(self, max_connections: int | None = None) -> redis.Redis:
         if not self.redis_url:
             raise RuntimeError("no Redis URL: set RESIDENCY_REDIS_URL or use `residency up`")
-        return connect(self.redis_url)
+        return connect(self.redis_url, max_connections)
 
     def admin_key(self, *, create: bool = False) -> str:
         """RESIDENCY_ADMIN_KEY, else the key file (created mode 0600 on first start)."""
@@ -102,14 +102,16 @@ class Box:
         return key
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, max_connections: int | None = None) -> redis.Redis:
     """Every role's Redis client. Timeouts everywhere: no call can wait forever. A failed
     command is retried briefly (3 tries within about 0.3 s: a dropped connection to a live
     server), not with redis-py's default backoff of seconds: during an outage each role has its
     own retry (loops, the model process's backoff) and web answers 503 without making its client
-    wait."""
+    wait. ``max_connections``: the pool's bound (redis-py's default, 100, is far below what a
+    gevent web worker holds: a connection per waiting request)."""
     return redis.Redis.from_url(
         url,
+        max_connections=max_connections,
         decode_responses=True,
         socket_timeout=30,
         socket_connect_timeout=5,

@@ -83,13 +83,7 @@ def cmd_web(args: argparse.Namespace) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     from web.server import run
 
-    run(
-        box,
-        host=args.host or s.server.host,
-        port=args.port or s.server.port,
-        workers=s.server.web_workers,
-        threads=s.server.web_threads,
-    )
+    run(box, host=args.host or s.server.host, port=args.port or s.server.port)
     return 0
 
 

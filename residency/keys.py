@@ -62,8 +62,12 @@ def autosize_state() -> str:
 def model(name: str) -> str:
     """hash, no TTL. Residency of one model: ``state`` (see ``residency.states``), ``token`` (the
     load id that owns the state), ``host``, ``device``, ``pid``, ``last_used``, ``loaded_at``,
-    ``load_seconds``, ``error``. Written only through the compare-and-set scripts in
-    ``residency.lua`` (by the coordinator, the agent and the model process)."""
+    ``load_seconds``, ``error``, ``parallel`` (its slots), ``reader`` (the connection id of its
+    model process's queue reads, which the coordinator unblocks), ``yielding`` and
+    ``yielding_since`` (the waiting model it gives its slot to; kept until its next load).
+    ``state`` and ``token`` are written only through the compare-and-set scripts in
+    ``residency.lua`` (by the coordinator, the agent and the model process); the coordinator's
+    other writes to it are fenced by its lease."""
     return f"{PREFIX}model:{name}"
 
 
@@ -136,6 +140,15 @@ def progress(name: str) -> str:
     which treats any change of the value as progress (its own clock measures how long it has
     not changed)."""
     return f"{PREFIX}progress:{name}"
+
+
+def service(name: str) -> str:
+    """string: how long a request of this model holds its slot, in seconds (a moving average
+    over recent requests), TTL ``SERVICE_TTL_S``. Written by its model process after each
+    request; read by web to compute the ``Retry-After`` of a 429 (queue depth x this / slots).
+    A key of its own, not a field of the model hash: a late write can never bring back the
+    hash of a model that was forgotten."""
+    return f"{PREFIX}service:{name}"
 
 
 def events() -> str:
@@ -246,6 +259,7 @@ def audit() -> str:
 
 REPLY_TTL_S = 600
 PROGRESS_TTL_S = 3600
+SERVICE_TTL_S = 86400
 WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000

@@ -485,6 +485,7 @@ class Scripts:
                     keys.registry(),
                     keys.leader(),
                     keys.progress(model),
+                    keys.service(model),
                 ],
                 [lease, model, ",".join(sorted(s.value for s in OCCUPYING))],
             )

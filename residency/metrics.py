@@ -36,6 +36,7 @@ QUEUE_DEPTH = "residency_queue_depth"
 PASSES_TOTAL = "residency_enforcement_passes_total"
 RECHECKS_TOTAL = "residency_load_commit_rechecks_total"
 DEFERRED = "residency_deferred_shrink"
+YIELDS_TOTAL = "residency_yields_total"
 
 LOAD_BUCKETS: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 AGE_BUCKETS: Sequence[float] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400, 86400)
@@ -91,6 +92,7 @@ class RedisCollector(Collector):
             CANCELLED_CHUNKS_TOTAL: (["model"], []),
             PASSES_TOTAL: (["trigger"], []),
             RECHECKS_TOTAL: (["model"], []),
+            YIELDS_TOTAL: (["model"], []),
         }
         for field, value in data.items():
             metric, _, lab = field.partition("|")
@@ -101,13 +103,16 @@ class RedisCollector(Collector):
             samples.append(([labels.get(n, "") for n in names], float(value)))
         docs = {
             LOADS_TOTAL: "Model loads by outcome (ok, error)",
-            EVICTIONS_TOTAL: "Evictions by reason (lru, limit, deleted, admin)",
+            EVICTIONS_TOTAL: "Evictions by reason (lru, limit, deleted, admin, helper_unused, "
+            "memory, yield)",
             CANCELLED_TOTAL: "Streamed generations stopped because the client went away",
             CANCELLED_CHUNKS_TOTAL: "Chunks streamed by generations before they were cancelled",
             PASSES_TOTAL: "Coordinator enforcement passes by what woke them (config, idle, "
             "load_commit, retry, event, timer)",
             RECHECKS_TOTAL: "Loads that committed after the limits changed (a full pass re-checked "
             "the pool)",
+            YIELDS_TOTAL: "Busy models made to yield their slot to a model that waited "
+            "pool.max_busy_s for one",
         }
         for metric, (names, samples) in families.items():
             fam = CounterMetricFamily(metric.removesuffix("_total"), docs[metric], labels=names)

@@ -52,7 +52,37 @@ class ServerSettings(_Strict):
     host: str = _key("127.0.0.1", RESTART, "address the web front end binds")
     port: int = _key(8000, RESTART, "TCP port of the web front end", ge=1, le=65535)
     web_workers: int = _key(2, RESTART, "gunicorn worker processes", ge=1, le=64)
-    web_threads: int = _key(16, RESTART, "threads per gunicorn worker (gthread)", ge=1, le=1024)
+    web_worker_class: Literal["gevent", "gthread"] = _key(
+        "gevent",
+        RESTART,
+        "gunicorn worker class: gevent (a waiting or streaming request costs a greenlet) or "
+        "gthread (an OS thread each)",
+    )
+    web_connections: int = _key(
+        4096,
+        RESTART,
+        "connections one gevent worker holds at once (waiting, streaming, admin, health)",
+        ge=16,
+        le=100_000,
+    )
+    web_threads: int = _key(
+        16, RESTART, "threads per gunicorn worker (gthread only)", ge=1, le=1024
+    )
+    max_in_flight: int = _key(
+        1000,
+        LIVE,
+        "API requests one web worker holds at once (waiting or streaming); more get 429 "
+        "with a computed Retry-After",
+        ge=1,
+        le=100_000,
+    )
+    sse_keepalive_s: float = _key(
+        15.0,
+        LIVE,
+        "a stream that has sent nothing for this long gets an SSE comment line (: keep-alive)",
+        gt=0,
+        le=3600,
+    )
     max_request_bytes: int = _key(
         1_048_576, LIVE, "largest accepted request body; larger gets 413", ge=1024, le=1 << 30
     )
@@ -95,6 +125,22 @@ class PoolSettings(_Strict):
     )
     load_timeout_s: float = _key(
         600.0, LIVE, "a load not ready by then is failed and its process stopped", gt=0, le=86400
+    )
+    max_busy_s: float = _key(
+        30.0,
+        LIVE,
+        "a busy model that a waiting model needs the slot of becomes yielding after others "
+        "waited this long: it admits nothing new, finishes what runs, and is evicted; 0 = never",
+        ge=0,
+        le=86400,
+    )
+    min_resident_s: float = _key(
+        10.0,
+        LIVE,
+        "a model loaded less than this long ago is not made to yield (two busy models take "
+        "turns instead of thrashing)",
+        ge=0,
+        le=86400,
     )
 
     @field_validator("max_loaded_models")

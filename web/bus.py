@@ -26,11 +26,15 @@ from residency import errors, keys, metrics
 from residency.errors import ApiError
 from residency.lua import Scripts
 from residency.messages import Event, EventType, Kind, ReplyType, Request, new_request_id
+from web import admission
 
 log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000
 READ_COUNT = 100
+#: Yielded by ``Call.chunks`` when a stream has been quiet for its keep-alive interval (the
+#: same object every time: compare with ``is``).
+KEEPALIVE: dict[str, Any] = {}
 
 #: Set when this web worker is told to stop (see web/server.py): a request still waiting for
 #: its first reply message is withdrawn from its queue and answered 503 with Retry-After, so
@@ -100,8 +104,10 @@ class Call:
         timeout_s: float,
         scripts: Scripts,
         client_gone: Callable[[], bool] | None = None,
+        keepalive_s: float = 0.0,
     ) -> None:
         self.r = r
+        self.keepalive_s = keepalive_s
         self.req = req
         self.item = item
         self.timeout_s = timeout_s
@@ -116,11 +122,17 @@ class Call:
     def model(self) -> str:
         return self.req.model
 
-    def _read(self) -> Iterator[tuple[ReplyType, dict[str, Any]]]:
-        """Every reply message until done or error; raises the 503 timeout after cancelling."""
+    def _read(self) -> Iterator[tuple[ReplyType | None, dict[str, Any]]]:
+        """Every reply message until done or error; raises the 503 timeout after cancelling.
+        With ``keepalive_s``, ``(None, {})`` whenever that long passed without a message (a
+        stream sends its client a comment line then)."""
         key = keys.reply(self.req.id)
         deadline = time.monotonic() + self.timeout_s
+        quiet_since = time.monotonic()
         while True:
+            if self.keepalive_s and time.monotonic() - quiet_since >= self.keepalive_s:
+                quiet_since = time.monotonic()
+                yield None, {}
             left = deadline - time.monotonic()
             if left <= 0:
                 self.abandon()
@@ -141,6 +153,8 @@ class Call:
                 self.abandon()
                 raise storage_unavailable(e) from e
             streams = resp.items() if isinstance(resp, dict) else (resp or [])
+            if streams:
+                quiet_since = time.monotonic()
             for _key, entries in streams:
                 for msg_id, fields in entries:
                     self._last_id = msg_id
@@ -157,9 +171,9 @@ class Call:
                     deadline = time.monotonic() + self.timeout_s
 
     def _block_ms(self, left: float) -> int:
-        """How long one read may block: at most a second, and no later than the deadline (so a
-        request still queued then is answered at once)."""
-        wait = min(left, 1.0)
+        """How long one read may block: at most a second (or the keep-alive interval), and no
+        later than the deadline (so a request still queued then is answered at once)."""
+        wait = min(left, 1.0, self.keepalive_s or 1.0)
         if self.req.deadline and not self._deadline_checked:
             wait = min(wait, self.req.deadline - time.time())
         return max(1, int(wait * 1000))
@@ -180,6 +194,8 @@ class Call:
     def result(self) -> dict[str, Any]:
         """The whole response of a non-stream request."""
         for kind, data in self._read():
+            if kind is None:
+                continue
             if kind is ReplyType.DONE:
                 return data
             if kind is ReplyType.ERROR:
@@ -188,9 +204,12 @@ class Call:
         raise ApiError(500, "reply stream ended without a result", type="server_error")
 
     def chunks(self) -> Generator[dict[str, Any], None, None]:
-        """Each OpenAI chunk object of a stream request; returns on done, raises on error."""
+        """Each OpenAI chunk object of a stream request (and ``KEEPALIVE`` after each quiet
+        ``keepalive_s``); returns on done, raises on error."""
         for kind, data in self._read():
-            if kind is ReplyType.CHUNK:
+            if kind is None:
+                yield KEEPALIVE
+            elif kind is ReplyType.CHUNK:
                 yield from data.get("chunks", [])
             elif kind is ReplyType.ERROR:
                 raise ApiError.from_reply(data)
@@ -229,6 +248,7 @@ def submit(
     timeout_s: float,
     deadline_s: float = 0.0,
     client_gone: Callable[[], bool] | None = None,
+    keepalive_s: float = 0.0,
 ) -> Call:
     """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
     ``deadline_s``: it must be finished that long after submit (0: no deadline)."""
@@ -250,5 +270,20 @@ def submit(
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise storage_unavailable(e) from e
     if not ok:
-        raise errors.queue_full(model, depth)
-    return Call(r, req, item, timeout_s, scripts, client_gone)
+        raise errors.queue_full(model, depth, _queue_retry_after(r, model, depth))
+    return Call(r, req, item, timeout_s, scripts, client_gone, keepalive_s)
+
+
+def _queue_retry_after(r: redis.Redis, model: str, depth: int) -> int:
+    """When a refused client should retry: the queue ahead of it, at the pace the model has
+    been serving (its model process's moving average), over its slots."""
+    try:
+        pipe = r.pipeline(transaction=False)
+        pipe.get(keys.service(model))
+        pipe.hget(keys.model(model), "parallel")
+        service, parallel = pipe.execute()
+        return admission.queue_retry_after(
+            depth, float(service) if service else None, int(parallel or 1)
+        )
+    except (redis.RedisError, ValueError):
+        return admission.MIN_RETRY_S

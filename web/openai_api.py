@@ -8,19 +8,19 @@ import logging
 import select
 import socket
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import redis
-from flask import Blueprint, Response, g, jsonify, request
+from flask import Blueprint, Response, g, jsonify, make_response, request
 
 from residency import errors, keys, policy_store
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.registry import Entry, all_entries
-from web import bus, remote, routing, validation
+from web import admission, bus, remote, routing, validation
 from web.body import check_size, read_json
 from web.state import State, View, state
 
@@ -109,7 +109,9 @@ def capped_params(kind: Kind, params: dict[str, Any], cap: int) -> dict[str, Any
 
 def _peer_closed(sock: socket.socket) -> bool:
     """Whether the client closed its end of the connection (it sends nothing more on a
-    connection whose request was read: readable means closed, or a pipelined request)."""
+    connection whose request was read: readable means closed, or a pipelined request). ``poll``
+    with no timeout never blocks, so it is safe under gevent too; ``select`` would refuse the
+    descriptors above 1023 that a worker holding a thousand clients has."""
     try:
         fd = sock.fileno()
     except (OSError, ValueError):
@@ -154,6 +156,7 @@ def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Ca
         timeout_s=srv.request_timeout_s,
         deadline_s=srv.request_deadline_s,
         client_gone=_client_gone(),
+        keepalive_s=srv.sse_keepalive_s if v.stream else 0.0,
     )
 
 
@@ -165,6 +168,9 @@ def _named(obj: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 def _sse(obj: Mapping[str, Any]) -> str:
+    if obj is bus.KEEPALIVE:
+        # A comment line: clients ignore it, proxies with idle timeouts see traffic.
+        return ": keep-alive\n\n"
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
@@ -172,20 +178,22 @@ def _stream_response(
     chunks: Iterator[dict[str, Any]], model: str, on_abandon: Callable[[], None], t: Target
 ) -> Response:
     # Pull the first chunk before answering, so that an error that happens before any output
-    # (queue full, load failed, timeout) reaches the client as a proper HTTP status.
+    # (queue full, load failed, timeout) reaches the client as a proper HTTP status — unless
+    # the wait outlasts the keep-alive interval: then the stream starts with a comment line,
+    # and an error after it comes as an error event.
     first = next(chunks, None)
 
     def events() -> Iterator[str]:
         finished = False
         try:
             if first is not None:
-                head = _named(first, model)
-                if t.trace is not None:
+                head = first if first is bus.KEEPALIVE else _named(first, model)
+                if t.trace is not None and head is not bus.KEEPALIVE:
                     head["route_trace"] = t.trace
                 yield _sse(head)
                 try:
                     for c in chunks:
-                        yield _sse(_named(c, model))
+                        yield _sse(c if c is bus.KEEPALIVE else _named(c, model))
                 except ApiError as e:
                     yield _sse(e.envelope())
             yield "data: [DONE]\n\n"
@@ -215,7 +223,61 @@ def _route_trace_wanted(body: dict[str, Any]) -> bool:
     return want
 
 
+class _Held:
+    """A stream's body that holds its in-flight place until it ends or is closed (a WSGI
+    server closes the body when the client leaves, even one never iterated: a generator's
+    ``finally`` would not run then)."""
+
+    def __init__(self, body: Iterable[Any], started: float) -> None:
+        self._it = iter(body)
+        self._body = body
+        self._started = started
+        self._released = False
+
+    def __iter__(self) -> _Held:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if not self._released:
+            self._released = True
+            admission.IN_FLIGHT.release(self._started)
+        close = getattr(self._body, "close", None)
+        if close is not None:
+            close()
+
+
+def _admitted(view: Callable[[], Any]) -> Any:
+    """Run an API request counted in this worker's in-flight requests (429 past
+    ``server.max_in_flight``): a whole answer until the view returns it, a stream until its
+    body ends or is closed."""
+    cap = state().cached().settings.server.max_in_flight
+    started = admission.IN_FLIGHT.admit(cap)
+    try:
+        resp = make_response(view())
+    except BaseException:
+        admission.IN_FLIGHT.release(started)
+        raise
+    if resp.is_streamed:
+        resp.response = _Held(resp.response, started)
+    else:
+        admission.IN_FLIGHT.release(started)
+    return resp
+
+
 def _generate(
+    kind: Kind, path: str, validate: Callable[[Mapping[str, Any]], validation.Validated]
+) -> Any:
+    return _admitted(lambda: _generate_admitted(kind, path, validate))
+
+
+def _generate_admitted(
     kind: Kind, path: str, validate: Callable[[Mapping[str, Any]], validation.Validated]
 ) -> Any:
     body = read_json()
@@ -258,6 +320,10 @@ def _base64(vec: list[float]) -> str:
 
 @bp.post("/embeddings")
 def embeddings() -> Any:
+    return _admitted(_embeddings)
+
+
+def _embeddings() -> Any:
     body = read_json()
     v = validation.validate_embedding(body)
     st = state()

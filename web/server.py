@@ -7,6 +7,7 @@ worker aggregates them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -63,14 +64,36 @@ class WebServer(BaseApplication):
         return create_app(self.box)
 
 
+def _raise_fd_limit() -> None:
+    """A gevent worker holds a socket per client and, while a request waits, a Redis
+    connection for it: lift the soft limit on open files to the hard one (often 1024 against
+    hundreds of thousands), so a thousand waiting clients do not run a worker out of them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def options(
-    host: str, port: int, workers: int, threads: int, *, access_log: bool = False
+    host: str,
+    port: int,
+    workers: int,
+    *,
+    worker_class: str = "gevent",
+    threads: int = 16,
+    connections: int = 4096,
+    access_log: bool = False,
 ) -> dict[str, Any]:
+    _raise_fd_limit()
     return {
         "bind": [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"],
         "workers": workers,
+        "worker_class": worker_class,
+        # gthread: the requests one worker serves at once; gevent: its greenlets.
         "threads": threads,
-        "worker_class": "gthread",
+        "worker_connections": connections,
         "preload_app": False,
         # gunicorn >= 25 opens a control socket under $XDG_RUNTIME_DIR or $HOME by default.
         "control_socket_disable": True,
@@ -79,14 +102,23 @@ def options(
         "child_exit": _child_exit,
         "post_worker_init": _post_worker_init,
         "proc_name": "residency-web",
-        # Streams hold a thread for as long as they run; the gthread heartbeat does not depend
-        # on request length, so the worker timeout stays gunicorn's default.
+        # Streams hold a greenlet (gthread: a thread) for as long as they run; the worker's
+        # heartbeat does not depend on request length, so the worker timeout stays gunicorn's
+        # default.
         "keepalive": 5,
     }
 
 
-def run(
-    box: Box, host: str, port: int, workers: int, threads: int, *, access_log: bool = False
-) -> None:
+def run(box: Box, host: str, port: int, *, access_log: bool = False) -> None:
     """Serve until SIGTERM/SIGINT (blocks)."""
-    WebServer(box, options(host, port, workers, threads, access_log=access_log)).run()
+    srv = box.base_settings().server
+    opts = options(
+        host,
+        port,
+        srv.web_workers,
+        worker_class=srv.web_worker_class,
+        threads=srv.web_threads,
+        connections=srv.web_connections,
+        access_log=access_log,
+    )
+    WebServer(box, opts).run()

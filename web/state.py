@@ -73,7 +73,10 @@ class State:
         if self._r is None:
             with self._lock:
                 if self._r is None:
-                    self._r = self.box.redis()
+                    # A waiting request holds a connection (its XREAD): as many as the worker
+                    # holds connections, and some for the rest.
+                    srv = self.box.base_settings().server
+                    self._r = self.box.redis(max_connections=srv.web_connections + 64)
         return self._r
 
     @property

@@ -8,6 +8,7 @@ moment another party takes the state (reaped, timed out), it stops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ REDIS_BACKOFF_S = (0.1, 2.0)  # first and longest wait between tries while Redis
 RENEW_TTL_S = keys.REPLY_TTL_S / 4
 OWNERSHIP_CHECK_S = 1.0
 FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
+SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
 
 
 class ModelProcess:
@@ -81,6 +83,10 @@ class ModelProcess:
         self.watcher = Watcher(r, model)
         self.parallel = 1  # slots, known once loaded
         self.waker: Waker | None = None  # made at load, just before the commit
+        # The coordinator asked it to give its slot to a waiting model: it takes nothing new.
+        self.yielding = False
+        self._service_s: float | None = None  # moving average of a request's time in its slot
+        self._service_lock = threading.Lock()
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -187,11 +193,13 @@ class ModelProcess:
             waker.close()
 
     def serve_once(self, waker: Waker) -> bool:
-        """Take at most one request while a slot is free and start serving it, then look at
-        control and (every OWNERSHIP_CHECK_S) ownership; True when the process should exit: it
-        unloaded, or its state is no longer its own (reaped, or lost with a Redis that
-        restarted empty)."""
-        if self._free.acquire(timeout=TAKE_WAIT_S):
+        """Take at most one request while a slot is free (none while the model yields its slot:
+        then wait for the unload instead) and start serving it, then look at control and (every
+        OWNERSHIP_CHECK_S) ownership; True when the process should exit: it unloaded, or its
+        state is no longer its own (reaped, or lost with a Redis that restarted empty)."""
+        if self.yielding:
+            self._await_control(waker)
+        elif self._take_slot():
             try:
                 with waker.reading() as blocking:
                     raw = blmove(
@@ -224,12 +232,42 @@ class ModelProcess:
         )
         return token == self.token and state in (ModelState.READY, ModelState.DRAINING)
 
+    def _take_slot(self) -> bool:
+        """A free slot, waited for up to TAKE_WAIT_S. One that frees up during the wait is
+        taken only if the model was not asked to yield meanwhile (read again then: the last
+        read was before the wait), so a yield stops admission within one wait."""
+        if self._free.acquire(blocking=False):
+            return True
+        if not self._free.acquire(timeout=TAKE_WAIT_S):
+            return False
+        try:
+            self.yielding = bool(self.r.hget(keys.model(self.model), "yielding"))
+        except BaseException:
+            self._free.release()
+            raise
+        if self.yielding:
+            self._free.release()
+        return not self.yielding
+
+    def _await_control(self, waker: Waker) -> None:
+        """While yielding, take nothing from the queue: wait (bounded, without taking it) for
+        the unload command on the control list instead, so it is seen the moment it comes."""
+        control = keys.control(self.model)
+        with waker.reading() as blocking:
+            blmove(blocking, control, control, TAKE_WAIT_S, "RIGHT", "RIGHT")
+
     def check_control(self) -> str | None:
-        raw = self.r.lpop(keys.control(self.model))
+        # Whether the model yields its slot is read in the same round trip: while it does, the
+        # next iteration takes nothing new (the coordinator unblocks the queue read on a yield).
+        pipe = self.r.pipeline(transaction=False)
+        pipe.lpop(keys.control(self.model))
+        pipe.hget(keys.model(self.model), "yielding")
+        raw, yielding = pipe.execute()
+        self.yielding = bool(yielding)
         if raw is None:
             return None
         try:
-            cmd = json.loads(raw)  # type: ignore[arg-type]
+            cmd = json.loads(raw)
         except ValueError:
             return None
         if cmd.get("op") != "unload" or cmd.get("token") != self.token:
@@ -271,10 +309,12 @@ class ModelProcess:
                 last = self._deadline_error(req)  # answered without generating
             else:
                 self.watcher.add(gate)
+                started = time.monotonic()
                 try:
                     last = self.generate(req, gate)
                 finally:
                     self.watcher.remove(gate)
+                self._served(time.monotonic() - started)
         except Stopped as e:
             if e.reason is Reason.SHUTDOWN:
                 log.info("%s: request %s left for the agent to requeue", self.model, req.id)
@@ -315,6 +355,16 @@ class ModelProcess:
                 last=last,
             ),
         )
+
+    def _served(self, seconds: float) -> None:
+        """Fold one request's time in its slot into the model's moving average, which web
+        reads to tell a refused client when to retry. Best effort: only a hint rides on it."""
+        with self._service_lock:
+            prev = self._service_s
+            self._service_s = seconds if prev is None else prev + SERVICE_EWMA * (seconds - prev)
+            value = self._service_s
+        with contextlib.suppress(*REDIS_DOWN):
+            self.r.set(keys.service(self.model), f"{value:.4f}", ex=keys.SERVICE_TTL_S)
 
     def _deadline_error(self, req: Request) -> tuple[str, dict[str, Any]]:
         err = deadline_exceeded(self.model, req.deadline - req.submitted)

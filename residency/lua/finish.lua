@@ -15,8 +15,9 @@ redis.call('LREM', KEYS[1], 1, ARGV[1])
 redis.call('HSET', KEYS[3], 'last_used', ARGV[2])
 -- Emits the idle event on the busy -> idle edge, and only while the coordinator waits for one
 -- (the idle-watch flag), so it can run a deferred eviction or load the moment it is possible.
-if redis.call('EXISTS', KEYS[5]) == 1
-   and redis.call('LLEN', KEYS[1]) == 0 and redis.call('LLEN', KEYS[2]) == 0 then
+-- A yielding model takes nothing from its queue: its last request in flight ending is its edge.
+if redis.call('EXISTS', KEYS[5]) == 1 and redis.call('LLEN', KEYS[1]) == 0
+   and (redis.call('LLEN', KEYS[2]) == 0 or redis.call('HGET', KEYS[3], 'yielding')) then
   redis.call('RPUSH', KEYS[4], ARGV[3])
   return 1
 end

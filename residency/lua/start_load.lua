@@ -10,7 +10,9 @@ local ok, prev = cas(KEYS[1], 'loading', ARGV[1], '')
 if not ok then return {0, prev} end
 redis.call('HSET', KEYS[1], 'token', ARGV[2], 'host', ARGV[3], 'device', ARGV[4],
            'loading_since', ARGV[5], 'pool', ARGV[8])
-redis.call('HDEL', KEYS[1], 'pid', 'error', 'loaded_at', 'load_seconds')
+-- A model loaded again starts not yielding (the mark of its last yield has served its turn).
+redis.call('HDEL', KEYS[1], 'pid', 'error', 'loaded_at', 'load_seconds', 'yielding',
+           'yielding_since')
 redis.call('SADD', KEYS[4], ARGV[9])
 redis.call('RPUSH', KEYS[2], ARGV[6])
 return {1, prev}

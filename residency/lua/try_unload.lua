@@ -1,9 +1,12 @@
 -- The model process decides its own unload: it commits only if nothing is queued or in flight;
--- otherwise it refuses ("rescued") and goes back to ready, and the coordinator re-plans.
+-- otherwise it refuses ("rescued") and goes back to ready, and the coordinator re-plans. A
+-- yielding model is rescued only by a request in flight: its queued requests wait for its next
+-- load (the slot goes to the model it yields to).
 -- KEYS[1] model hash, KEYS[2] queue, KEYS[3] processing, KEYS[4] events
 -- ARGV[1] token, ARGV[2] sources for unloaded (csv), ARGV[3] sources for ready (csv),
 -- ARGV[4] unloaded event JSON, ARGV[5] rescued event JSON
-if redis.call('LLEN', KEYS[2]) > 0 or redis.call('LLEN', KEYS[3]) > 0 then
+local queued = redis.call('LLEN', KEYS[2]) > 0 and not redis.call('HGET', KEYS[1], 'yielding')
+if queued or redis.call('LLEN', KEYS[3]) > 0 then
   local ok, prev = cas(KEYS[1], 'ready', ARGV[3], ARGV[1])
   if not ok then return prev end
   redis.call('HDEL', KEYS[1], 'draining_since')

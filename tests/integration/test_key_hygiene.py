@@ -88,6 +88,7 @@ def test_a_deleted_models_keys_go_once_it_holds_nothing(
     r.zadd(keys.load_failures("old"), {json.dumps({"token": "T1", "error": "boom"}): clock.now})
     r.rpush(keys.control("old"), json.dumps({"op": "unload", "token": "T0"}))
     r.set(keys.progress("old"), clock.now, ex=3600)
+    r.set(keys.service("old"), "0.5", ex=3600)
     plant_model(r, "queued-old", state="unloaded")
     queue(r, "queued-old", clock.now)
     # "a" is registered: its hash stays even though it is unloaded.

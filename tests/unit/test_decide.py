@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from coordinator.decide import (
     Backoff,
     Evict,
@@ -10,9 +12,11 @@ from coordinator.decide import (
     ModelView,
     Reap,
     Reject,
+    Resume,
     Snapshot,
     Wait,
     WorkerView,
+    Yield,
     backoff_until,
     decide,
     effective_limit,
@@ -324,3 +328,174 @@ def test_memory_backstop_off_below_threshold_or_while_one_drains() -> None:
     draining = mv("b", S.DRAINING)
     acts = decide(snap(idle, draining, limit=-1, workers=hot, auto_evict=True))
     assert of(Evict, acts) == []  # its memory is not given back yet: wait for it
+
+
+# -- fairness between models: a busy model yields its slot after max_busy_s ---------------------
+
+NOW = 1000.0
+
+
+def fair(*models: ModelView, limit: int = 1, **kw: object) -> Snapshot:
+    """A pool where waiting 30 s for a busy slot makes its holder yield, but never one loaded
+    less than 10 s ago."""
+    return snap(*models, limit=limit, max_busy_s=30.0, min_resident_s=10.0, **kw)
+
+
+def busy(name: str, loaded_at: float = 0.0, **kw: object) -> ModelView:
+    base: dict[str, object] = {"in_flight": 1, "queued": 1, "loaded_at": loaded_at}
+    base.update(kw)
+    return mv(name, S.READY, **base)
+
+
+def test_a_busy_model_yields_once_a_waiter_waited_max_busy_s_and_not_before() -> None:
+    early = decide(fair(busy("a"), mv("b", queued=1, demand_since=NOW - 29.9)))
+    assert early == [Wait("b", "all_busy")]
+    due = decide(fair(busy("a"), mv("b", queued=1, demand_since=NOW - 30.0)))
+    assert due == [Yield("a", "t-a", "b"), Wait("b", "yielding")]
+    # max_busy_s = 0: never.
+    off = snap(busy("a"), mv("b", queued=1, demand_since=0.0), max_busy_s=0.0)
+    assert decide(off) == [Wait("b", "all_busy")]
+
+
+def test_a_model_loaded_less_than_min_resident_s_ago_is_not_made_to_yield() -> None:
+    waiter = mv("b", queued=1, demand_since=0.0)
+    assert decide(fair(busy("a", loaded_at=NOW - 9.9), waiter)) == [Wait("b", "all_busy")]
+    assert of(Yield, decide(fair(busy("a", loaded_at=NOW - 10.0), waiter))) == [
+        Yield("a", "t-a", "b")
+    ]
+
+
+def test_a_pinned_model_never_yields_and_a_pinned_yielder_resumes() -> None:
+    waiter = mv("c", queued=1, demand_since=0.0)
+    acts = decide(fair(busy("a", pinned=True), busy("b", loaded_at=NOW - 5.0), waiter, limit=2))
+    assert acts == [Wait("c", "all_busy")]
+    # The other busy resident is old enough: it yields, never the pinned one.
+    acts = decide(fair(busy("a", pinned=True), busy("b", loaded_at=500.0), waiter, limit=2))
+    assert of(Yield, acts) == [Yield("b", "t-b", "c")]
+    # Pinned while it yielded: it takes requests again, nothing evicts it.
+    pinned = busy("a", pinned=True, in_flight=0, yielding="c", yielding_since=990.0)
+    acts = decide(fair(pinned, busy("b", loaded_at=NOW - 5.0), waiter, limit=2))
+    assert Resume("a", "t-a") in acts and of(Evict, acts) == []
+
+
+def test_one_model_of_a_pool_yields_at_a_time_the_one_loaded_longest_ago() -> None:
+    waiters = (mv("c", queued=1, demand_since=1.0), mv("d", queued=1, demand_since=2.0))
+    acts = decide(fair(busy("a", loaded_at=300.0), busy("b", loaded_at=200.0), *waiters, limit=2))
+    assert of(Yield, acts) == [Yield("b", "t-b", "c")]
+    assert Wait("d", "all_busy") in acts
+    # While b yields (or drains to give its slot), nobody else is made to yield.
+    yielding = busy("b", loaded_at=200.0, yielding="c", yielding_since=990.0)
+    acts = decide(fair(busy("a", loaded_at=300.0), yielding, *waiters, limit=2))
+    assert of(Yield, acts) == [] and Wait("d", "all_busy") in acts
+    draining = mv("b", S.DRAINING, yielding="c", yielding_since=990.0, queued=1)
+    acts = decide(fair(busy("a", loaded_at=300.0), draining, *waiters, limit=2))
+    assert of(Yield, acts) == []
+    assert Wait("c", "slot_draining") in acts and Wait("d", "all_busy") in acts
+
+
+def test_a_yielding_model_goes_once_nothing_is_in_flight_even_with_requests_queued() -> None:
+    waiter = mv("b", queued=1, demand_since=0.0)
+    running = busy("a", queued=3, yielding="b", yielding_since=990.0)
+    assert decide(fair(running, waiter)) == [Wait("b", "yielding")]
+    done = busy("a", in_flight=0, queued=3, yielding="b", yielding_since=990.0)
+    assert decide(fair(done, waiter)) == [Evict("a", "t-a", "yield"), Wait("b", "evicting")]
+
+
+def test_a_yield_nobody_waits_for_is_called_off() -> None:
+    yielding = busy("a", yielding="b", yielding_since=990.0)
+    # Its waiter's requests went (withdrawn, timed out).
+    assert decide(fair(yielding, mv("b"))) == [Resume("a", "t-a")]
+    # The limit was raised: the waiter loads into the new slot, the yielder carries on.
+    acts = decide(fair(yielding, mv("b", queued=1, demand_since=0.0), limit=2))
+    assert of(Load, acts) == [Load("b", "box1", "cpu")] and Resume("a", "t-a") in acts
+
+
+def test_the_slot_given_up_goes_to_the_model_it_was_given_to() -> None:
+    """a yielded to b and unloaded with requests queued that are older than b's: b loads first,
+    and a waits its turn (it does not take the slot straight back)."""
+    gave = mv("a", queued=2, demand_since=100.0, yielding="b", yielding_since=900.0)
+    acts = decide(fair(gave, mv("b", queued=1, demand_since=500.0)))
+    assert of(Load, acts) == [Load("b", "box1", "cpu")]
+    # Once b is served, a's mark no longer counts: a waiter who came after the yield has no
+    # precedence, and plain oldest-demand-first applies.
+    acts = decide(fair(gave, mv("b", queued=1, demand_since=950.0)))
+    assert of(Load, acts) == [Load("a", "box1", "cpu")]
+
+
+def test_idle_events_are_wanted_while_a_model_yields() -> None:
+    from coordinator.decide import waits_for_idle
+
+    s = fair(busy("a"), mv("b", queued=1, demand_since=0.0))
+    assert waits_for_idle(decide(s), s)
+    s = fair(busy("a", yielding="b", yielding_since=990.0), mv("b", queued=1, demand_since=0.0))
+    assert waits_for_idle(decide(s), s)
+
+
+def take_turns(max_busy_s: float, min_resident_s: float, steps: int = 600) -> dict[str, object]:
+    """Two clients, each sending requests for its own model back to back (one outstanding
+    request each, served in one step), share one slot: every step (one simulated second) the
+    models serve, loads and drains finish, and the coordinator runs a pass. Returns per model
+    the requests served and the longest wait of a request for a slot, and the loads."""
+    models = {n: mv(n, queued=1, demand_since=0.0) for n in ("a", "b")}
+    served = dict.fromkeys(models, 0)
+    longest = dict.fromkeys(models, 0.0)
+    loads = 0
+    for now in range(1, steps + 1):
+        t = float(now)
+        for n, m in models.items():
+            if m.state is S.LOADING:
+                m = replace(m, state=S.READY, loaded_at=t, loading_since=None)
+            elif m.state is S.DRAINING:  # its queued request stays queued for its next turn
+                m = replace(m, state=S.UNLOADED, host=None, device=None, loaded_at=None)
+            if m.state is S.READY and m.in_flight:  # the request ends; its client sends the next
+                served[n] += 1
+                m = replace(m, in_flight=0, queued=1, demand_since=t, last_used=t)
+            if m.state is S.READY and m.queued and not m.yielding:
+                longest[n] = max(longest[n], t - (m.demand_since or t))
+                m = replace(m, queued=0, in_flight=1, demand_since=None)
+            models[n] = m
+        s = snap(*models.values(), now=t, max_busy_s=max_busy_s, min_resident_s=min_resident_s)
+        for a in decide(s):
+            m = models[a.model]  # type: ignore[union-attr]
+            if isinstance(a, Load):
+                loads += 1
+                m = replace(m, state=S.LOADING, host=a.host, device=a.device, loading_since=t)
+                m = replace(m, yielding=None, yielding_since=None)
+            elif isinstance(a, Yield):
+                m = replace(m, yielding=a.for_model, yielding_since=t)
+            elif isinstance(a, Resume):
+                m = replace(m, yielding=None, yielding_since=None)
+            elif isinstance(a, Evict):
+                assert not m.in_flight
+                m = replace(m, state=S.DRAINING)
+            models[m.name] = m
+    return {"served": served, "longest": longest, "loads": loads}
+
+
+def test_two_busy_models_sharing_one_slot_take_turns_and_neither_starves() -> None:
+    steps = 600
+    for max_busy_s, min_resident_s in ((30.0, 10.0), (1.0, 10.0), (5.0, 0.0)):
+        r = take_turns(max_busy_s, min_resident_s, steps)
+        turn = max(max_busy_s, min_resident_s)
+        served, longest = r["served"], r["longest"]
+        assert isinstance(served, dict) and isinstance(longest, dict)
+        # Both are served, each wait bounded by a turn plus the steps of a yield, unload and load
+        assert min(served.values()) > steps / 4, r
+        assert max(longest.values()) <= turn + 6, r
+        # ...and no thrash: at most one load per turn.
+        assert isinstance(r["loads"], int) and r["loads"] <= steps / turn + 2, r
+    # Without yielding the first model keeps the slot for as long as its client sends.
+    r = take_turns(0.0, 10.0, steps)
+    assert r["served"] == {"a": steps - 2, "b": 0} and r["loads"] == 1, r
+
+
+def test_an_idle_yielding_model_is_evicted_like_any_idle_one_not_called_off() -> None:
+    idle = mv("a", S.READY, loaded_at=0.0, yielding="b", yielding_since=990.0)
+    acts = decide(fair(idle, mv("b", queued=1, demand_since=0.0)))
+    assert acts == [Evict("a", "t-a", "lru"), Wait("b", "evicting")]
+    # Idle, it may go for an older waiter first: it is evicted once, and its own waiter waits.
+    acts = decide(
+        fair(idle, mv("c", queued=1, demand_since=0.0), mv("b", queued=1, demand_since=1.0))
+    )
+    assert of(Evict, acts) == [Evict("a", "t-a", "lru")] and of(Resume, acts) == []
+    assert Wait("c", "evicting") in acts and Wait("b", "all_busy") in acts

@@ -11,7 +11,13 @@ their state stays (an agent that forgot a child before releasing it); loads fail
 put a model in backoff; device memory passes the auto_evict threshold. After every coordinator
 pass and every step it checks:
 
-- no busy model is ever chosen as a victim, and no pinned one for any reason but an admin unload;
+- no model with a request in flight is ever chosen as a victim, one with requests queued only when
+  it yields its slot (they stay queued for its next load), and no pinned one for any reason but
+  an admin unload;
+- a model is made to yield only when a waiter waited ``max_busy_s`` for a slot that busy models
+  hold, never when pinned, loaded less than ``min_resident_s`` ago or while another resident of
+  its pool yields; a yielding model takes no new request, and the slot it gave up never goes
+  back to it while the model it yielded to still waits;
 - a pass never admits a load into a full pool, never loads a model that already holds a slot,
   and never loads one model twice (single flight);
 - every request that arrived is served, rejected with an answer, queued or in flight (none lost);
@@ -48,9 +54,11 @@ from coordinator.decide import (
     ModelView,
     Reap,
     Reject,
+    Resume,
     Snapshot,
     Wait,
     WorkerView,
+    Yield,
     backoff_until,
     decide,
 )
@@ -92,6 +100,8 @@ class Model:
     loaded_at: float | None = None
     draining_since: float | None = None
     failures: tuple[float, ...] = ()
+    yielding: str | None = None  # kept after its unload until its next load, as in Redis
+    yielding_since: float | None = None
 
     @property
     def token(self) -> str:
@@ -124,6 +134,8 @@ class Model:
             draining_since=self.draining_since,
             failures=self.failures,
             last_error="boom" if self.failures else None,
+            yielding=self.yielding,
+            yielding_since=self.yielding_since,
         )
 
     def free_slot(self) -> None:
@@ -146,6 +158,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.auto_evict = False
         self.now = 1000.0
         self.arrived = self.served = self.rejected = 0
+        self.max_busy_s, self.min_resident_s = 5.0, 1.0
 
     # -- the coordinator ------------------------------------------------------------------------
 
@@ -172,14 +185,18 @@ class PoolMachine(RuleBasedStateMachine):
             auto_evict=self.auto_evict,
             auto_evict_threshold=0.9,
             drain_timeout_s=DRAIN_TIMEOUT_S,
+            max_busy_s=self.max_busy_s,
+            min_resident_s=self.min_resident_s,
         )
 
     def coordinator_pass(self) -> list[Action]:
         snap = self.snapshot()
         actions = decide(snap)
         self.check(snap, actions)
+        self.check_fairness(snap, actions)
         self.apply(actions)
         self.clear_stale_explicit()
+        self.one_yield_per_pool()
         return actions
 
     def check(self, snap: Snapshot, actions: list[Action]) -> None:
@@ -188,7 +205,10 @@ class PoolMachine(RuleBasedStateMachine):
         reaped = {a.model for a in actions if isinstance(a, Reap)}
         for a in evicts:
             m = snap.models[a.model]
-            assert not m.busy, f"busy model {a.model} chosen as a victim ({a.reason})"
+            assert not m.in_flight, f"{a.model} chosen as a victim with work in flight ({a.reason})"
+            assert not m.queued or (a.reason == "yield" and m.is_yielding), (
+                f"{a.model} chosen as a victim with requests queued ({a.reason})"
+            )
             assert m.state is S.READY, f"{a.model} evicted while {m.state}"
             assert a.token == m.token
             if a.reason == "admin":
@@ -279,6 +299,54 @@ class PoolMachine(RuleBasedStateMachine):
                     assert m.state in (S.READY, S.DRAINING)
                     assert not self.models[a.model].process, f"{a.model} reaped with a process"
 
+    def check_fairness(self, snap: Snapshot, actions: list[Action]) -> None:
+        yields = [a for a in actions if isinstance(a, Yield)]
+        pools = Counter((snap.models[y.model].type, snap.models[y.model].slot_pool) for y in yields)
+        assert all(n == 1 for n in pools.values()), f"several yields in one pool: {yields}"
+        loads = {a.model for a in actions if isinstance(a, Load)}
+        for y in yields:
+            m, w = snap.models[y.model], snap.models[y.for_model]
+            assert m.state is S.READY and m.busy and not m.pinned and not m.is_yielding, m
+            assert m.loaded_at is not None and snap.now - m.loaded_at >= snap.min_resident_s
+            assert snap.max_busy_s > 0 and w.demand_since is not None
+            assert snap.now - w.demand_since >= snap.max_busy_s, f"{w.name} did not wait long"
+            assert (w.type, w.pool) == (m.type, m.slot_pool) and not w.occupying
+            assert not any(
+                v.is_yielding and v.slot_pool == m.slot_pool and v.type == m.type and not v.pinned
+                for v in snap.models.values()
+            ), f"{y.model} made to yield while another model of its pool yields"
+        for a in actions:
+            if isinstance(a, Evict) and a.reason == "yield":
+                assert snap.models[a.model].is_yielding and not snap.models[a.model].pinned
+            if isinstance(a, Resume):
+                assert snap.models[a.model].is_yielding
+                assert not any(isinstance(e, Evict) and e.model == a.model for e in actions)
+        # The slot a model gave up never goes straight back to it while its waiter still waits.
+        for name in loads:
+            m = snap.models[name]
+            waiter = snap.models.get(m.yielding or "")
+            if (
+                waiter is None
+                or m.yielding_since is None
+                or waiter.demand_since is None
+                or waiter.demand_since > m.yielding_since
+                or waiter.occupying
+                or not waiter.registered
+                or waiter.explicit == "unload"
+                or (waiter.type, waiter.pool) != (m.type, m.pool)
+                or backoff_until(waiter, snap) is not None
+            ):
+                continue
+            assert waiter.name in loads, f"{name} took back the slot it gave to {waiter.name}"
+
+    def one_yield_per_pool(self) -> None:
+        yielding = Counter(
+            (TYPES[m.name], m.loaded_pool)
+            for m in self.models.values()
+            if m.occupying and m.yielding and not (m.state is S.READY and m.pinned)
+        )
+        assert all(n <= 1 for n in yielding.values()), f"several models yield: {self.models}"
+
     def apply(self, actions: list[Action]) -> None:
         """What Effects does, each write a compare-and-set on the model's state and token."""
         for a in actions:
@@ -289,8 +357,13 @@ class PoolMachine(RuleBasedStateMachine):
                     m.demand_since = self.now
             elif isinstance(a, Evict) and m and m.token == a.token and m.state is S.READY:
                 m.state, m.draining_since = S.DRAINING, self.now
+            elif isinstance(a, Yield) and m and m.token == a.token and m.state is S.READY:
+                m.yielding, m.yielding_since = a.for_model, self.now
+            elif isinstance(a, Resume) and m and m.token == a.token:
+                m.yielding = m.yielding_since = None
             elif isinstance(a, Load) and m and m.state in (S.UNLOADED, S.FAILED):
                 m.state, m.host, m.device = S.LOADING, a.host, a.device
+                m.yielding = m.yielding_since = None  # a model loaded again starts not yielding
                 m.process = True  # the agent spawns it (and reports it) at once
                 m.loads += 1
                 m.loading_since, m.loaded_pool = self.now, m.pool
@@ -320,6 +393,10 @@ class PoolMachine(RuleBasedStateMachine):
     def run_a_pass(self) -> None:
         self.coordinator_pass()
 
+    @rule(fairness=st.sampled_from([(0.0, 0.0), (1.0, 0.0), (5.0, 1.0), (30.0, 10.0)]))
+    def the_fairness_settings_change(self, fairness: tuple[float, float]) -> None:
+        self.max_busy_s, self.min_resident_s = fairness
+
     @rule(dt=st.sampled_from([0.1, 1.0, 5.0, 90.0]))
     def time_passes(self, dt: float) -> None:
         self.now += dt
@@ -341,15 +418,35 @@ class PoolMachine(RuleBasedStateMachine):
         self.requests_arrive(name, 1)
         self.coordinator_pass()
         self.a_load_finishes(name, True)
-        while self.models[name].state is S.READY and self.models[name].queued:
+        m = self.models[name]
+        while m.state is S.READY and m.queued and not m.yielding:
             self.a_request_starts(name)
             self.a_request_ends(name)
         self.now += 1.0
 
+    @rule(typ=st.sampled_from(["llm", "embedding"]), pick=st.integers(0, 3))
+    def clients_keep_the_residents_busy_while_another_model_waits(
+        self, typ: str, pick: int
+    ) -> None:
+        """Back-to-back requests hold every resident of a pool busy, sized to what it holds,
+        while requests for another model wait (where yielding happens); time passes."""
+        held = [m for m in self.models.values() if TYPES[m.name] == typ and m.occupying]
+        self.limits[typ] = max(1, len(held))
+        for m in self.models.values():
+            if TYPES[m.name] == typ and m.state is S.READY:
+                self.requests_arrive(m.name, 2)
+                self.a_request_starts(m.name)
+        same = [n for n in NAMES if TYPES[n] == typ]
+        waiter = same[pick % len(same)]
+        if not self.models[waiter].occupying:
+            self.requests_arrive(waiter, 1)
+        self.coordinator_pass()
+        self.now += self.max_busy_s
+
     @rule(name=names)
     def a_request_starts(self, name: str) -> None:
         m = self.models[name]
-        if m.state is S.READY and m.process and m.queued and not m.in_flight:
+        if m.state is S.READY and m.process and m.queued and not m.in_flight and not m.yielding:
             m.queued -= 1
             m.in_flight = 1
             m.demand_since = self.now if m.queued else None
@@ -385,8 +482,9 @@ class PoolMachine(RuleBasedStateMachine):
             return
         if not m.process:
             return  # nobody left to commit the unload: only the reaper frees the slot
-        if m.queued or m.in_flight:
-            m.state, m.draining_since = S.READY, None  # rescued: work arrived while it drained
+        if m.in_flight or (m.queued and not m.yielding):
+            # Rescued: work arrived while it drained (a yielding model's queue waits its turn).
+            m.state, m.draining_since = S.READY, None
         else:
             m.free_slot()
 
@@ -472,7 +570,14 @@ class PoolMachine(RuleBasedStateMachine):
                 if m.state is S.LOADING:
                     m.state, m.last_used = S.READY, self.now
                     m.load_seconds, m.loading_since, m.loaded_at = 1.0, None, self.now
+                if not m.registered and m.queued:
+                    # Handed back to the queue of a model deleted meanwhile: nothing loads it
+                    # again, its clients' requests time out (503, withdrawn).
+                    self.rejected += m.queued
+                    m.queued, m.demand_since = 0, None
                 while m.state is S.READY and m.process and (m.queued or m.in_flight):
+                    if not m.in_flight and m.yielding:
+                        break  # it takes nothing new: its queue waits for its next load
                     if not m.in_flight:
                         m.queued -= 1
                         m.in_flight = 1
