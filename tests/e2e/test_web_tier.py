@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import requests
@@ -129,8 +129,7 @@ def read_keepalives(conns: list[socket.socket]) -> dict[socket.socket, bytes]:
     deadline = time.monotonic() + BOUND_S
     while pending and time.monotonic() < deadline:
         for key, _ in sel.select(timeout=1):
-            c = key.fileobj
-            assert isinstance(c, socket.socket)
+            c = cast(socket.socket, key.fileobj)
             data = c.recv(65536)
             assert data, "a waiting stream was closed"
             got[c] += data
