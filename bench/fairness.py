@@ -38,6 +38,7 @@ from overhead import (
     free_port,
     machine_facts,
     percentile,
+    replace_section,
     up_box,
 )
 
@@ -176,9 +177,14 @@ def run_all(tmp: Path, duration: float) -> list[Run]:
         ]
 
 
+BEGIN = "<!-- fairness:begin -->"
+END = "<!-- fairness:end -->"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:g} s per mode")
+    ap.add_argument("--out", type=Path, help="markdown file whose fairness section is rewritten")
     args = ap.parse_args(argv)
     duration = QUICK_DURATION_S if args.quick else DURATION_S
     try:
@@ -187,12 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130
-    print(f"{command_line()}\n{machine_facts()}")
-    print(
+    setup = (
         f"{len(USERS)} users x {LOOPS} clients, {duration:g} s per mode, max_loaded_models = 1, "
-        f"request_timeout_s = {REQUEST_TIMEOUT_S:g}, {MAX_TOKENS} tokens x {TOKEN_DELAY_S:g} s\n"
+        f"request_timeout_s = {REQUEST_TIMEOUT_S:g}, {MAX_TOKENS} tokens x {TOKEN_DELAY_S:g} s"
     )
-    print(table([r for run in runs for r in rows(run)]))
+    result = table([r for run in runs for r in rows(run)])
+    print(f"{command_line()}\n{machine_facts()}\n{setup}\n\n{result}")
+    if args.out:
+        body = f"{machine_facts()}\n\n`{command_line()}`\n\n{setup}\n\n```\n{result}\n```"
+        replace_section(args.out, body, begin=BEGIN, end=END, title="Fairness between models")
     return 0
 
 
