@@ -299,6 +299,7 @@ class ModelProcess:
             self.r.lrem(keys.processing(self.model), 1, raw)
             return
         last: tuple[str, dict[str, Any]] | None = None
+        served: float | None = None  # seconds it held its slot, when it generated to the end
         # A stream stopped at shutdown goes on (its loop answers shutting_down once it has
         # output); a non-stream one is left on the processing list for the agent to requeue.
         gate = Gate(req.id, req.deadline, None if req.stream else self.stop)
@@ -314,7 +315,7 @@ class ModelProcess:
                     last = self.generate(req, gate)
                 finally:
                     self.watcher.remove(gate)
-                self._served(time.monotonic() - started)
+                served = time.monotonic() - started
         except Stopped as e:
             if e.reason is Reason.SHUTDOWN:
                 log.info("%s: request %s left for the agent to requeue", self.model, req.id)
@@ -355,6 +356,9 @@ class ModelProcess:
                 last=last,
             ),
         )
+        if served is not None:
+            # After the last reply, not before it: the statistic's round trip is nobody's wait.
+            self._served(served)
 
     def _served(self, seconds: float) -> None:
         """Fold one request's time in its slot into the model's moving average, which web
