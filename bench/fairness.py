@@ -2,18 +2,22 @@
 
 One run, one box (``residency up``, tiny llama models t1 and t2, ``max_loaded_models = 1``,
 ``[debug] fault_injection = true`` so each request does some work: ``token_delay_s``). Each user
-keeps its own model busy: ``LOOPS`` clients send its requests back to back, so its model is never
-idle and an idle-LRU eviction never hands the slot over. Both users start together; the run
-lasts ``DURATION_S``. Per user it reports the requests answered 200 and failed (a request that
-waits ``server.request_timeout_s`` for a slot is answered 503), the p50 / p99 / longest time from
-sending a request to its answer, and the loads in the run:
+keeps its own model busy with clients that send its requests back to back. Both users start
+together; each mode lasts ``DURATION_S``. Per user it reports the requests answered 200 and
+failed (a request that waits ``server.request_timeout_s`` for a slot is answered 503), the p50 /
+p99 / longest time from sending a request to its answer, and the loads in the mode:
 
-- yielding:     ``pool.max_busy_s = MAX_BUSY_S``, ``pool.min_resident_s = MIN_RESIDENT_S``:
-                the models take turns;
-- no yielding:  ``pool.max_busy_s = 0``: whichever model loads first keeps the slot, and the
-                other user's requests time out.
+- yielding, 1 client per user: ``pool.max_busy_s = MAX_BUSY_S``, ``pool.min_resident_s =
+  MIN_RESIDENT_S``. The model is idle for a moment between its client's requests; within
+  ``min_resident_s`` that gap does not hand its slot over (its turn), after it it does;
+- yielding, 2 clients per user: its model always has a request queued, so it is never idle and
+  only a yield hands the slot over;
+- no turns, 1 client per user: ``max_busy_s = 0``, ``min_resident_s = 0`` — the behavior before
+  turns: every gap between a user's requests hands the slot to the other (a load per request);
+- no yielding, 2 clients per user: ``max_busy_s = 0`` — whichever model loads first keeps the
+  slot, and the other user's requests time out.
 
-Both settings are live: one box, changed through ``PATCH /admin/config`` between the runs.
+The settings are live: one box, changed through ``PATCH /admin/config`` between the modes.
 
     .venv/bin/python bench/fairness.py [--quick]
 """
@@ -45,7 +49,6 @@ from overhead import (
 from residency.tinymodel import write_tiny_model
 
 USERS = {"alice": "t1", "bob": "t2"}
-LOOPS = 2  # clients per user: its model always has a request queued behind the one it runs
 DURATION_S = 30.0
 QUICK_DURATION_S = 15.0
 MAX_BUSY_S = 2.0
@@ -99,7 +102,7 @@ def client(box: Box, user: str, stop: threading.Event, run: Run, lock: threading
                 run.answers.append((user, time.perf_counter() - t0, status))
 
 
-def measure(box: Box, mode: str, fairness: dict[str, float], duration: float) -> Run:
+def measure(box: Box, mode: str, loops: int, fairness: dict[str, float], duration: float) -> Run:
     box.admin_call("PATCH", "/admin/config", {"pool": fairness})
     run = Run(mode)
     before = loads_ok(box.url)
@@ -107,7 +110,7 @@ def measure(box: Box, mode: str, fairness: dict[str, float], duration: float) ->
     threads = [
         threading.Thread(target=client, args=(box, u, stop, run, lock), daemon=True)
         for u in USERS
-        for _ in range(LOOPS)
+        for _ in range(loops)
     ]
     for t in threads:
         t.start()
@@ -171,10 +174,14 @@ def run_all(tmp: Path, duration: float) -> list[Run]:
         delays = dict.fromkeys(USERS.values(), TOKEN_DELAY_S)
         box.admin_call("POST", "/admin/faults", {"token_delay_s": delays})
         yielding = {"max_busy_s": MAX_BUSY_S, "min_resident_s": MIN_RESIDENT_S}
-        return [
-            measure(box, f"yielding ({MAX_BUSY_S:g} s / {MIN_RESIDENT_S:g} s)", yielding, duration),
-            measure(box, "no yielding", {"max_busy_s": 0.0}, duration),
+        turns = f"({MAX_BUSY_S:g} s / {MIN_RESIDENT_S:g} s)"
+        modes: list[tuple[str, int, dict[str, float]]] = [
+            (f"yielding {turns}, 1 client/user", 1, yielding),
+            (f"yielding {turns}, 2 clients/user", 2, yielding),
+            ("no turns (0 s / 0 s), 1 client/user", 1, {"max_busy_s": 0.0, "min_resident_s": 0.0}),
+            ("no yielding (0 s / 2 s), 2 clients/user", 2, {**yielding, "max_busy_s": 0.0}),
         ]
+        return [measure(box, label, n, pool, duration) for label, n, pool in modes]
 
 
 BEGIN = "<!-- fairness:begin -->"
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130
     setup = (
-        f"{len(USERS)} users x {LOOPS} clients, {duration:g} s per mode, max_loaded_models = 1, "
+        f"{len(USERS)} users, {duration:g} s per mode, max_loaded_models = 1, "
         f"request_timeout_s = {REQUEST_TIMEOUT_S:g}, {MAX_TOKENS} tokens x {TOKEN_DELAY_S:g} s"
     )
     result = table([r for run in runs for r in rows(run)])

@@ -18,6 +18,10 @@ POOLS = (STANDARD, HELPER)
 # A draining model commits its unload within a second or so of being told; one still draining
 # after this long whose agent does not report its process is reaped (its state is unbacked).
 DRAIN_TIMEOUT_S = 60.0
+# How long a model in its first ``min_resident_s`` may sit idle and still keep its slot from a
+# waiting model: longer than a looping client's gap between requests, short enough that a
+# router switching from it to another model pays little for it.
+TURN_IDLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,13 @@ class Snapshot:
     failure_window_s: float = keys.LOAD_FAILURE_WINDOW_S
     # Fairness between models (``pool.max_busy_s``, ``pool.min_resident_s``): a model that has
     # waited this long for a slot held by busy models makes one of them yield (0 = never), but
-    # never one loaded less than ``min_resident_s`` ago.
+    # never one loaded less than ``min_resident_s`` ago. Within that time an idle resident is in
+    # its *turn* while its last request ended less than ``turn_idle_s`` ago: a client sending
+    # back to back leaves it idle between requests, and evicting it in that gap would swap the
+    # models on every request.
     max_busy_s: float = 0.0
     min_resident_s: float = 0.0
+    turn_idle_s: float = TURN_IDLE_S
 
 
 @dataclass(frozen=True)
@@ -183,7 +191,8 @@ class Wait:
 
     model: str
     # "no_worker" | "slot_draining" | "evicting" | "all_busy" | "yielding" (a busy resident is
-    # finishing its work to give this model its slot)
+    # finishing its work to give this model its slot) | "in_turn" (an idle resident keeps its
+    # slot a moment longer: see ``in_turn``)
     reason: str
 
 
@@ -258,6 +267,18 @@ def effective_limit(configured: int, autosize: bool, floor: int) -> int:
     if configured == -1:
         return -1
     return max(configured, floor) if autosize else configured
+
+
+def in_turn(m: ModelView, snap: Snapshot) -> bool:
+    """Whether idle ``m`` still keeps its slot from a waiting model: loaded less than
+    ``min_resident_s`` ago and used less than ``turn_idle_s`` ago (its client is about to send
+    again). A limit that drops, an admin unload or the memory backstop take it all the same."""
+    return (
+        snap.min_resident_s > 0
+        and m.loaded_at is not None
+        and snap.now - m.loaded_at < snap.min_resident_s
+        and snap.now - m.last_used < min(snap.turn_idle_s, snap.min_resident_s)
+    )
 
 
 def lru_victims(models: Iterable[ModelView]) -> list[ModelView]:
@@ -415,13 +436,15 @@ def _decide_pool(
         elif freeing > 0:
             freeing -= 1
             out.append(Wait(w.name, "slot_draining"))
-        elif victims:
-            v = victims.pop(0)
+        elif (v := next((v for v in victims if not in_turn(v, snap)), None)) is not None:
+            victims.remove(v)
             taken.add(v.name)
             out.append(Evict(v.name, v.token, "lru"))
             out.append(Wait(w.name, "evicting"))
         elif occupying and all(m.pinned for m in occupying):
             out.append(Reject(w.name, "slots_pinned"))
+        elif victims:  # idle, but in its turn: its slot frees within turn_idle_s
+            out.append(Wait(w.name, "in_turn"))
         elif (y := yielding_for.get(w.name)) is not None and not y.pinned:
             # Its queued requests stay queued; only what it runs must end before it goes.
             kept.add(y.name)

@@ -137,8 +137,9 @@ class PoolSettings(_Strict):
     min_resident_s: float = _key(
         10.0,
         LIVE,
-        "a model loaded less than this long ago is not made to yield (two busy models take "
-        "turns instead of thrashing)",
+        "a model loaded less than this long ago is not made to yield, nor evicted for a "
+        "waiting model while its last request ended under 0.5 s ago (two busy models take "
+        "turns instead of thrashing); 0 = off",
         ge=0,
         le=86400,
     )

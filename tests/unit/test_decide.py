@@ -365,6 +365,33 @@ def test_a_model_loaded_less_than_min_resident_s_ago_is_not_made_to_yield() -> N
     ]
 
 
+def test_an_idle_model_in_its_turn_keeps_its_slot_a_moment_then_goes() -> None:
+    """Within min_resident_s of its load an idle model whose last request ended less than
+    turn_idle_s ago keeps its slot (its client sends again in that gap); used longer ago, or
+    resident longer, or with min_resident_s = 0, it is an LRU victim as before."""
+    waiter = mv("b", queued=1, demand_since=NOW - 0.2)
+
+    def idle_a(loaded_ago: float, used_ago: float) -> ModelView:
+        return mv("a", S.READY, loaded_at=NOW - loaded_ago, last_used=NOW - used_ago)
+
+    assert decide(fair(idle_a(2.0, 0.1), waiter)) == [Wait("b", "in_turn")]
+    assert of(Evict, decide(fair(idle_a(2.0, 0.5), waiter))) == [Evict("a", "t-a", "lru")]
+    assert of(Evict, decide(fair(idle_a(10.0, 0.1), waiter))) == [Evict("a", "t-a", "lru")]
+    off = snap(idle_a(2.0, 0.1), waiter, max_busy_s=30.0, min_resident_s=0.0)
+    assert of(Evict, decide(off)) == [Evict("a", "t-a", "lru")]
+    # A turn never shields a model from an older idle one's eviction order: the one out of its
+    # turn goes first, even if used more recently.
+    acts = decide(
+        fair(
+            idle_a(2.0, 0.1), mv("c", S.READY, loaded_at=0.0, last_used=NOW - 0.05), waiter, limit=2
+        )
+    )
+    assert of(Evict, acts) == [Evict("c", "t-c", "lru")]
+    # A limit that drops shrinks the pool whatever the turns.
+    acts = decide(fair(idle_a(2.0, 0.1), mv("c", S.READY, loaded_at=0.0), limit=1))
+    assert len(of(Evict, acts)) == 1
+
+
 def test_a_pinned_model_never_yields_and_a_pinned_yielder_resumes() -> None:
     waiter = mv("c", queued=1, demand_since=0.0)
     acts = decide(fair(busy("a", pinned=True), busy("b", loaded_at=NOW - 5.0), waiter, limit=2))
