@@ -82,6 +82,17 @@ def queue_full(name: str, depth: int, retry_after: int = 1) -> ApiError:
     )
 
 
+def model_not_resident(name: str, state: str) -> ApiError:
+    """A caller that may not cause loads asked for a model that is not loaded (nor loading)."""
+    return ApiError(
+        409,
+        f"model '{name}' is not loaded (it is {state}) and this API key may not load models; "
+        "use a model that is loaded, or ask an admin for a key that may load",
+        param="model",
+        code="model_not_resident",
+    )
+
+
 def not_ready(message: str, retry_after: int = 2) -> ApiError:
     return ApiError(503, message, type="server_error", code="not_ready", retry_after=retry_after)
 

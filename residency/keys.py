@@ -142,6 +142,19 @@ def progress(name: str) -> str:
     return f"{PREFIX}progress:{name}"
 
 
+def usage(day: str) -> str:
+    """hash: what was used on one UTC day (``YYYY-MM-DD``), field ``user|model|counter`` ->
+    count, counters ``requests``, ``prompt_tokens``, ``completion_tokens`` (and
+    ``load_seconds``). Counted by the model process that served each request, in the script
+    that finishes it; ``user`` is ``-`` for a request nobody was identified for. TTL
+    ``USAGE_TTL_S``."""
+    return f"{PREFIX}usage:{day}"
+
+
+def usage_field(user: str, model: str, counter: str) -> str:
+    return f"{user or ANONYMOUS}|{model}|{counter}"
+
+
 def service(name: str) -> str:
     """string: how long a request of this model holds its slot, in seconds (a moving average
     over recent requests), TTL ``SERVICE_TTL_S``. Written by its model process after each
@@ -260,6 +273,9 @@ def audit() -> str:
 REPLY_TTL_S = 600
 PROGRESS_TTL_S = 3600
 SERVICE_TTL_S = 86400
+USAGE_TTL_S = 400 * 86400
+#: The name usage is counted under for a request nobody was identified for.
+ANONYMOUS = "-"
 WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000

@@ -8,6 +8,7 @@ states always come from ``residency.states``.
 from __future__ import annotations
 
 import json
+import time
 from functools import cache
 from importlib.resources import files
 from typing import Any
@@ -246,14 +247,22 @@ class Scripts:
         return bool(ok), _s(res)
 
     def submit(
-        self, model: str, item: str, *, bound: int, demand_event: dict[str, Any]
-    ) -> tuple[bool, int]:
-        ok, depth = self._run(
+        self,
+        model: str,
+        item: str,
+        *,
+        bound: int,
+        demand_event: dict[str, Any],
+        may_load: bool = True,
+    ) -> tuple[int, int | str]:
+        """(1, depth) when queued; (0, depth) when the queue is full; (2, state) when the
+        model is not resident and ``may_load`` is false (nothing was queued)."""
+        code, val = self._run(
             "submit",
             [keys.queue(model), keys.model(model), keys.events()],
-            [item, bound, json.dumps(demand_event)],
+            [item, bound, json.dumps(demand_event), "1" if may_load else "0"],
         )
-        return bool(ok), int(depth)
+        return int(code), (_s(val) if int(code) == 2 else int(val))
 
     def finish(
         self,
@@ -264,12 +273,20 @@ class Scripts:
         idle_event: dict[str, Any],
         request_id: str,
         last: tuple[str, dict[str, Any]] | None = None,
+        chunks: list[dict[str, Any]] | None = None,
+        service_s: float | None = None,
+        user: str = "",
+        usage: tuple[int, int] | None = None,
     ) -> bool:
         """Take a finished request off the processing list, writing its last reply message
-        (``last``: reply type and data; none for a cancelled request) in the same step.
-        Returns True when this finish sent the idle event (the model went idle while the
-        coordinator was waiting for that)."""
+        (``last``: reply type and data; none for a cancelled request) in the same step —
+        after a chunk message of ``chunks`` (a stream's last ones), if any — and the model's
+        average ``service_s``, if given; counts the request, and its ``usage`` (prompt and
+        completion tokens) when known, for ``user`` on today's usage hash (UTC). Returns True
+        when this finish sent the idle event (the model went idle while the coordinator was
+        waiting for that)."""
         kind, data = last if last is not None else ("", {})
+        compact = (",", ":")
         went_idle = self._run(
             "finish",
             [
@@ -279,14 +296,23 @@ class Scripts:
                 keys.events(),
                 keys.idle_watch(),
                 keys.reply(request_id),
+                keys.service(model),
+                keys.usage(time.strftime("%Y-%m-%d", time.gmtime(now))),
             ],
             [
                 item,
                 now,
                 json.dumps(idle_event),
                 kind,
-                json.dumps(data, separators=(",", ":")),
+                json.dumps(data, separators=compact),
                 keys.REPLY_TTL_S,
+                json.dumps({"chunks": chunks}, separators=compact) if chunks else "",
+                "" if service_s is None else f"{service_s:.4f}",
+                keys.SERVICE_TTL_S,
+                keys.usage_field(user, model, ""),
+                "" if usage is None else usage[0],
+                "" if usage is None else usage[1],
+                keys.USAGE_TTL_S,
             ],
         )
         return bool(went_idle)

@@ -32,6 +32,9 @@ class Request:
     attempts: int = 0
     # Wall-clock time (like ``submitted``) by which it must be finished; 0 = no deadline.
     deadline: float = 0.0
+    # Who asked ("" when the box does not know: no key required and none given): its usage is
+    # counted under that name, and fair queueing takes turns between names.
+    user: str = ""
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -48,6 +51,7 @@ class Request:
             submitted=float(d["submitted"]),
             attempts=int(d.get("attempts", 0)),
             deadline=float(d.get("deadline", 0.0)),
+            user=str(d.get("user", "")),
         )
 
 

@@ -16,7 +16,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -32,9 +33,19 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000
 READ_COUNT = 100
-#: Yielded by ``Call.chunks`` when a stream has been quiet for its keep-alive interval (the
-#: same object every time: compare with ``is``).
+#: Sent in a ``Batch`` when a stream has been quiet for its keep-alive interval (the same
+#: object every time: compare with ``is``).
 KEEPALIVE: dict[str, Any] = {}
+
+
+@dataclass
+class Batch:
+    """The chunks of a stream that arrived together (written to the client in one write);
+    ``last``: the reply ended with them."""
+
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    last: bool = False
+
 
 #: Set when this web worker is told to stop (see web/server.py): a request still waiting for
 #: its first reply message is withdrawn from its queue and answered 503 with Retry-After, so
@@ -115,6 +126,7 @@ class Call:
         self.client_gone = client_gone
         self._last_id = "0-0"
         self._first = True
+        self._drained = True  # the message read last was the last of its read
         self._deadline_checked = False
         self.closed = False
 
@@ -156,7 +168,8 @@ class Call:
             if streams:
                 quiet_since = time.monotonic()
             for _key, entries in streams:
-                for msg_id, fields in entries:
+                for i, (msg_id, fields) in enumerate(entries):
+                    self._drained = i == len(entries) - 1
                     self._last_id = msg_id
                     kind = ReplyType(fields["t"])
                     data = json.loads(fields["d"]) if fields.get("d") else {}
@@ -203,16 +216,26 @@ class Call:
             log.warning("ignoring a chunk on the reply of non-stream request %s", self.req.id)
         raise ApiError(500, "reply stream ended without a result", type="server_error")
 
-    def chunks(self) -> Generator[dict[str, Any], None, None]:
-        """Each OpenAI chunk object of a stream request (and ``KEEPALIVE`` after each quiet
-        ``keepalive_s``); returns on done, raises on error."""
+    def batches(self) -> Iterator[Batch]:
+        """The OpenAI chunk objects of a stream request, batched as they arrived (a batch of
+        ``KEEPALIVE`` after each quiet ``keepalive_s``); the batch that ends the reply is
+        ``last``, an error is raised."""
+        batch = Batch()
         for kind, data in self._read():
             if kind is None:
-                yield KEEPALIVE
+                yield Batch([KEEPALIVE])
             elif kind is ReplyType.CHUNK:
-                yield from data.get("chunks", [])
+                batch.chunks.extend(data.get("chunks", []))
+                if self._drained:
+                    yield batch
+                    batch = Batch()
             elif kind is ReplyType.ERROR:
+                if batch.chunks:
+                    yield batch
                 raise ApiError.from_reply(data)
+            else:
+                batch.last = True
+                yield batch
 
     def close(self) -> None:
         """The reply is complete: its stream is no longer needed."""
@@ -249,9 +272,13 @@ def submit(
     deadline_s: float = 0.0,
     client_gone: Callable[[], bool] | None = None,
     keepalive_s: float = 0.0,
+    user: str = "",
+    may_load: bool = True,
 ) -> Call:
     """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
-    ``deadline_s``: it must be finished that long after submit (0: no deadline)."""
+    ``deadline_s``: it must be finished that long after submit (0: no deadline). ``user``:
+    who asked (usage and fair turns); without ``may_load`` a model that is neither ready nor
+    loading is refused 409 and nothing is queued (the request would load it)."""
     now = time.time()
     req = Request(
         id=new_request_id(),
@@ -261,15 +288,23 @@ def submit(
         stream=stream,
         submitted=now,
         deadline=now + deadline_s if deadline_s > 0 else 0.0,
+        user=user,
     )
     item = req.dumps()
     try:
-        ok, depth = scripts.submit(
-            model, item, bound=bound, demand_event=Event(EventType.DEMAND, model).to_dict()
+        code, val = scripts.submit(
+            model,
+            item,
+            bound=bound,
+            demand_event=Event(EventType.DEMAND, model).to_dict(),
+            may_load=may_load,
         )
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise storage_unavailable(e) from e
-    if not ok:
+    if code == 2:
+        raise errors.model_not_resident(model, str(val))
+    if code == 0:
+        depth = int(val)
         raise errors.queue_full(model, depth, _queue_retry_after(r, model, depth))
     return Call(r, req, item, timeout_s, scripts, client_gone, keepalive_s)
 

@@ -174,34 +174,52 @@ def _sse(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+_DONE = "data: [DONE]\n\n"
+
+
 def _stream_response(
-    chunks: Iterator[dict[str, Any]], model: str, on_abandon: Callable[[], None], t: Target
+    batches: Iterator[bus.Batch], model: str, on_abandon: Callable[[], None], t: Target
 ) -> Response:
-    # Pull the first chunk before answering, so that an error that happens before any output
+    # Pull the first batch before answering, so that an error that happens before any output
     # (queue full, load failed, timeout) reaches the client as a proper HTTP status — unless
     # the wait outlasts the keep-alive interval: then the stream starts with a comment line,
-    # and an error after it comes as an error event.
-    first = next(chunks, None)
+    # and an error after it comes as an error event. Each batch goes out in one write (one
+    # HTTP chunk), the end of the stream with the last one.
+    first = next(batches, None)
+
+    def render(b: bus.Batch, trace: dict[str, Any] | None = None) -> str:
+        out = []
+        for c in b.chunks:
+            if c is not bus.KEEPALIVE:
+                c = _named(c, model)
+                if trace is not None:
+                    c["route_trace"], trace = trace, None
+            out.append(_sse(c))
+        if b.last:
+            out.append(_DONE)
+        return "".join(out)
 
     def events() -> Iterator[str]:
         finished = False
         try:
-            if first is not None:
-                head = first if first is bus.KEEPALIVE else _named(first, model)
-                if t.trace is not None and head is not bus.KEEPALIVE:
-                    head["route_trace"] = t.trace
-                yield _sse(head)
+            if first is None:
+                yield _DONE
+            else:
+                yield render(first, t.trace)
+                done = first.last
                 try:
-                    for c in chunks:
-                        yield _sse(c if c is bus.KEEPALIVE else _named(c, model))
+                    for b in batches:
+                        yield render(b)
+                        done = b.last
                 except ApiError as e:
                     yield _sse(e.envelope())
-            yield "data: [DONE]\n\n"
+                if not done:
+                    yield _DONE
             finished = True
         finally:
             # GeneratorExit here means the client went away: stop the generation.
             if not finished:
-                close = getattr(chunks, "close", None)
+                close = getattr(batches, "close", None)
                 if close is not None:
                     close()
                 on_abandon()
@@ -291,12 +309,13 @@ def _generate_admitted(
     if t.entry.spec.remote:
         fwd = remote.forward(name, t.entry.spec, path, body, t.view.settings.server)
         if v.stream:
-            return _stream_response(fwd.events(), name, fwd.close, t)
+            batches = (bus.Batch([e]) for e in fwd.events())
+            return _stream_response(batches, name, fwd.close, t)
         out = _named(fwd.json(), name)
     else:
         call = _submit(st, kind, v, t)
         if v.stream:
-            return _stream_response(call.chunks(), name, call.abandon, t)
+            return _stream_response(call.batches(), name, call.abandon, t)
         out = _named(call.result(), name)
     if t.trace is not None:
         out["route_trace"] = t.trace

@@ -49,6 +49,9 @@ class View:
     file_stamp: FileStamp
 
 
+ENTRY_CACHE_SIZE = 1024
+
+
 class State:
     def __init__(self, box: Box) -> None:
         self.box = box
@@ -62,6 +65,9 @@ class State:
         self._tried: tuple[int, FileStamp] | None = None
         self._error: str | None = None
         self._admin_key: str | None = None
+        # Registry entries parsed and validated, by their stored text: a request for a model
+        # costs a dictionary lookup instead of a validation, and a changed entry has new text.
+        self._entries: dict[tuple[str, str], Entry] = {}
         #: Settings reads so far (successful or not): what a test counts to show that the
         #: coordinator's passes cause none.
         self.reloads = 0
@@ -179,8 +185,16 @@ class State:
         pipe.hget(keys.policies(), model)
         gen, raw, raw_policy = pipe.execute()
         view = self._current(int(gen or 0))
-        entry = Entry.loads(model, raw) if raw else None
+        entry = self._entry(model, raw) if raw else None
         return view, entry, PolicyEntry.loads(model, raw_policy) if raw_policy else None
+
+    def _entry(self, model: str, raw: str) -> Entry:
+        entry = self._entries.get((model, raw))
+        if entry is None:
+            if len(self._entries) >= ENTRY_CACHE_SIZE:
+                self._entries.clear()  # names come from clients: the cache stays bounded
+            entry = self._entries[(model, raw)] = Entry.loads(model, raw)
+        return entry
 
     # --- admin key ---------------------------------------------------------------------------
 

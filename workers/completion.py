@@ -25,6 +25,8 @@ from workers.engine import End, Engine, Job, Sampling, Token
 from workers.textout import TextOut
 
 OnStep = Callable[[], None]
+#: Told the prompt and completion tokens of a generation when it ends (however it ends).
+OnUsage = Callable[[int, int], None]
 
 
 class Pieces:
@@ -63,8 +65,10 @@ class Completion:
         suffix: str | None,
         model: str,
         on_step: OnStep | None,
+        on_usage: OnUsage | None = None,
     ) -> None:
         self.job = job
+        self.on_usage = on_usage
         self.pieces = pieces
         self.prompt_text = prompt_text
         self.out = TextOut(stops)
@@ -96,6 +100,8 @@ class Completion:
                 yield item
         finally:
             self.job.cancel()
+            if self.on_usage is not None:
+                self.on_usage(len(self.job.prompt), len(self.tokens))
 
     def _logprobs(self, toks: list[Token], offset: int) -> dict[str, Any] | None:
         if self.job.n_probs is None:
@@ -190,6 +196,7 @@ def create(
     pieces: Pieces,
     on_step: OnStep | None,
     *,
+    on_usage: OnUsage | None = None,
     prompt: str | list[int],
     suffix: str | None = None,
     max_tokens: int | None = 16,
@@ -242,5 +249,6 @@ def create(
         suffix=None if fim or stream else suffix,
         model=model or llm.model_path,
         on_step=on_step,
+        on_usage=on_usage,
     )
     return c.chunks() if stream else c.answer()

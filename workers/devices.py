@@ -97,10 +97,22 @@ def _inherited(name: str) -> bool:
     return name.startswith(CHILD_ENV_PREFIXES) and not any(w in name for w in _SECRET_WORDS)
 
 
+#: How long llama.cpp's OpenMP threads spin for the next decode before they sleep, unless the
+#: operator sets GOMP_SPINCOUNT or OMP_WAIT_POLICY. libgomp's default (300,000 spins, several
+#: milliseconds) keeps a core busy after every decode: between a model process's decodes its
+#: own serving threads, the web tier and Redis need that core (measured on 2 cores, tiny model:
+#: 12.2 ms of CPU per request with the default, 6.0 ms with this; Gemma 3 270M streamed as fast).
+#: Sleeping at once (OMP_WAIT_POLICY=passive) made every decode wait for woken threads: 15x slower.
+OMP_SPIN_COUNT = "10000"
+
+
 def child_env(device: str, base: Mapping[str, str]) -> dict[str, str]:
     """Environment of a model process on ``device``: only the allow-listed variables of
-    ``base`` (see ``CHILD_ENV_NAMES``), and exactly one GPU visible, or none."""
+    ``base`` (see ``CHILD_ENV_NAMES``), and exactly one GPU visible, or none; OpenMP spins
+    ``OMP_SPIN_COUNT`` unless ``base`` says how it should wait."""
     env = {k: v for k, v in base.items() if _inherited(k)}
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
     if device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
     else:

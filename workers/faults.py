@@ -18,6 +18,7 @@ import redis
 
 from residency import keys
 from residency.settings import ModelSpec
+from workers.completion import OnUsage
 from workers.runtime import OnStep, Runtime
 
 POLL_S = 0.05
@@ -97,17 +98,27 @@ class FaultyRuntime:
 
         return step
 
-    def chat(self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None) -> Any:
-        self._hang()
-        self._hold(on_step)
-        return self.inner.chat(params, stream, self._slowed(on_step))
-
-    def completion(
-        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
+    def chat(
+        self,
+        params: dict[str, Any],
+        stream: bool,
+        on_step: OnStep | None = None,
+        on_usage: OnUsage | None = None,
     ) -> Any:
         self._hang()
         self._hold(on_step)
-        return self.inner.completion(params, stream, self._slowed(on_step))
+        return self.inner.chat(params, stream, self._slowed(on_step), on_usage)
+
+    def completion(
+        self,
+        params: dict[str, Any],
+        stream: bool,
+        on_step: OnStep | None = None,
+        on_usage: OnUsage | None = None,
+    ) -> Any:
+        self._hang()
+        self._hold(on_step)
+        return self.inner.completion(params, stream, self._slowed(on_step), on_usage)
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
         self._hold(None)

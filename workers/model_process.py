@@ -8,7 +8,6 @@ moment another party takes the state (reaped, timed out), it stops.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from residency.messages import Event, EventType, Kind, ReplyType, Request
 from residency.settings import ModelSpec
 from residency.states import ModelState
 from residency.work import add_reply
+from workers.completion import OnUsage
 from workers.faults import FaultyRuntime
 from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.runtime import LlamaRuntime, Runtime
@@ -299,6 +299,8 @@ class ModelProcess:
             self.r.lrem(keys.processing(self.model), 1, raw)
             return
         last: tuple[str, dict[str, Any]] | None = None
+        tail: list[dict[str, Any]] = []  # a stream's last chunks, written with its last reply
+        usage: list[int] = []  # prompt and completion tokens, summed over its generations
         served: float | None = None  # seconds it held its slot, when it generated to the end
         # A stream stopped at shutdown goes on (its loop answers shutting_down once it has
         # output); a non-stream one is left on the processing list for the agent to requeue.
@@ -312,7 +314,7 @@ class ModelProcess:
                 self.watcher.add(gate)
                 started = time.monotonic()
                 try:
-                    last = self.generate(req, gate)
+                    last = self.generate(req, gate, tail, usage)
                 finally:
                     self.watcher.remove(gate)
                 served = time.monotonic() - started
@@ -344,7 +346,9 @@ class ModelProcess:
             err = ApiError(500, f"generation failed: {e}", type="server_error", code="internal")
             last = (ReplyType.ERROR, err.to_reply())
         # The last reply message goes out with the removal from the processing list, in one
-        # script (see finish.lua for the race that prevents); retried through a Redis restart.
+        # script (see finish.lua for the race that prevents), with the stream's last chunks
+        # and the model's service time: one round trip. Retried through a Redis restart.
+        service_s = None if served is None else self._served(served)
         self.retrying(
             "finish a request",
             lambda: self.scripts.finish(
@@ -354,51 +358,68 @@ class ModelProcess:
                 idle_event=self._idle_event,
                 request_id=req.id,
                 last=last,
+                chunks=tail if last is not None else None,
+                service_s=service_s,
+                user=req.user,
+                usage=(usage[0], usage[1]) if usage else None,
             ),
         )
-        if served is not None:
-            # After the last reply, not before it: the statistic's round trip is nobody's wait.
-            self._served(served)
 
-    def _served(self, seconds: float) -> None:
-        """Fold one request's time in its slot into the model's moving average, which web
-        reads to tell a refused client when to retry. Best effort: only a hint rides on it."""
+    def _served(self, seconds: float) -> float:
+        """Fold one request's time in its slot into the model's moving average (web reads it
+        to tell a refused client when to retry); returns the new average."""
         with self._service_lock:
             prev = self._service_s
             self._service_s = seconds if prev is None else prev + SERVICE_EWMA * (seconds - prev)
-            value = self._service_s
-        with contextlib.suppress(*REDIS_DOWN):
-            self.r.set(keys.service(self.model), f"{value:.4f}", ex=keys.SERVICE_TTL_S)
+            return self._service_s
 
     def _deadline_error(self, req: Request) -> tuple[str, dict[str, Any]]:
         err = deadline_exceeded(self.model, req.deadline - req.submitted)
         return ReplyType.ERROR, err.to_reply()
 
-    def generate(self, req: Request, gate: Gate | None = None) -> tuple[str, dict[str, Any]] | None:
+    def generate(
+        self,
+        req: Request,
+        gate: Gate | None = None,
+        tail: list[dict[str, Any]] | None = None,
+        usage: list[int] | None = None,
+    ) -> tuple[str, dict[str, Any]] | None:
         """Run the request; returns its last reply message (None when its client cancelled).
-        ``gate.step`` runs on every generated token and raises ``Stopped`` to end it."""
+        ``gate.step`` runs on every generated token and raises ``Stopped`` to end it. A
+        stream's chunks not written yet when it ends go to ``tail`` (see ``stream``); the
+        tokens it used are added to ``usage`` (prompt, completion) as they become known."""
+        on_usage = _adder(usage) if usage is not None else None
         if req.kind is Kind.EMBEDDING:
             out = self.runtime.embed(list(req.params["input"]))
             out["model"] = self.model
+            if on_usage is not None and isinstance(out.get("usage"), dict):
+                on_usage(int(out["usage"].get("prompt_tokens", 0)), 0)
             return ReplyType.DONE, out
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
-        result = call(req.params, req.stream, gate.step if gate is not None else None)
+        step = gate.step if gate is not None else None
+        result = call(req.params, req.stream, step, on_usage)
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
             return ReplyType.DONE, result
         assert not isinstance(result, dict)
-        return self.stream(req, result, gate)
+        return self.stream(req, result, gate, tail)
 
     def stream(
-        self, req: Request, chunks: Iterable[dict[str, Any]], gate: Gate | None = None
+        self,
+        req: Request,
+        chunks: Iterable[dict[str, Any]],
+        gate: Gate | None = None,
+        tail: list[dict[str, Any]] | None = None,
     ) -> tuple[str, dict[str, Any]] | None:
         """Forward chunks in small batches: everything up to and including the first chunk with
         text at once (llama.cpp sends a role-only chunk first; batching the first token behind
         it cost a whole batch interval of time to first token), then at most every
         FLUSH_EVERY_S; each flush also reads the cancel flag in the same round trip,
         so a client that went away stops the generation within one batch even without the
-        watcher. A stream stopped by its deadline sends what it has before the error."""
+        watcher. A stream stopped by its deadline sends what it has before the error. With
+        ``tail``, the chunks left when it ends go there, for the caller to write with the last
+        reply (else they are flushed here)."""
         batch: list[dict[str, Any]] = []
         sent = 0
         texted = False
@@ -435,7 +456,9 @@ class ModelProcess:
                     if gate is not None:
                         gate.chunks_sent = sent
                     batch.clear()
-            if batch:
+            if batch and tail is not None:
+                tail.extend(batch)
+            elif batch:
                 self._flush(req.id, batch)
             return ReplyType.DONE, {}
         except Stopped as e:
@@ -460,6 +483,19 @@ class ModelProcess:
         add_reply(pipe, req_id, ReplyType.CHUNK, {"chunks": batch}, set_ttl=set_ttl)
         pipe.exists(keys.cancel(req_id))
         return bool(pipe.execute()[-1])
+
+
+def _adder(total: list[int]) -> OnUsage:
+    """Adds each generation's (prompt, completion) tokens to ``total`` (a chat handler may run
+    more than one generation for a request)."""
+
+    def add(prompt: int, completion: int) -> None:
+        if not total:
+            total.extend((0, 0))
+        total[0] += prompt
+        total[1] += completion
+
+    return add
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 from residency.errors import ApiError
 from residency.settings import ModelSpec
 from workers import completion, devices
-from workers.completion import Pieces
+from workers.completion import OnUsage, Pieces
 from workers.engine import Backend, Engine, Sampling
 
 #: Tokens the repetition penalties look back over (llama-cpp-python's default).
@@ -38,11 +38,19 @@ class Runtime(Protocol):
     def load(self, spec: ModelSpec, device: str) -> None: ...
 
     def chat(
-        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
+        self,
+        params: dict[str, Any],
+        stream: bool,
+        on_step: OnStep | None = None,
+        on_usage: OnUsage | None = None,
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def completion(
-        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
+        self,
+        params: dict[str, Any],
+        stream: bool,
+        on_step: OnStep | None = None,
+        on_usage: OnUsage | None = None,
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def embed(self, inputs: list[str]) -> dict[str, Any]: ...
@@ -135,8 +143,9 @@ def _batched_llama() -> Any:
         def create_completion(self, prompt: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             assert self.engine is not None and self.pieces is not None
             on_step = getattr(_serving, "on_step", None)
+            on_usage = getattr(_serving, "on_usage", None)
             return completion.create(
-                self, self.engine, self.pieces, on_step, prompt=prompt, **kwargs
+                self, self.engine, self.pieces, on_step, on_usage=on_usage, prompt=prompt, **kwargs
             )
 
     return BatchedLlama
@@ -309,13 +318,25 @@ class LlamaRuntime:
             raise RuntimeError("runtime used before load")
         return self._llm
 
-    def chat(self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None) -> Any:
-        return self._call(self.llm.create_chat_completion, params, stream, "messages", on_step)
+    def chat(
+        self,
+        params: dict[str, Any],
+        stream: bool,
+        on_step: OnStep | None = None,
+        on_usage: OnUsage | None = None,
+    ) -> Any:
+        create = self.llm.create_chat_completion
+        return self._call(create, params, stream, "messages", on_step, on_usage)
 
     def completion(
-        self, params: dict[str, Any], stream: bool, on_step: OnStep | None = None
+        self,
+        params: dict[str, Any],
+        stream: bool,
+        on_step: OnStep | None = None,
+        on_usage: OnUsage | None = None,
     ) -> Any:
-        return self._call(self.llm.create_completion, params, stream, "prompt", on_step)
+        create = self.llm.create_completion
+        return self._call(create, params, stream, "prompt", on_step, on_usage)
 
     def _call(
         self,
@@ -324,16 +345,17 @@ class LlamaRuntime:
         stream: bool,
         param: str,
         on_step: OnStep | None,
+        on_usage: OnUsage | None,
     ) -> Any:
         self._check_logit_bias(params)
         # Read by create_completion in this thread before it returns: a stream's job is
-        # submitted at once, and its chunks call the gate they captured.
-        _serving.on_step = on_step
+        # submitted at once, and its chunks call the callbacks they captured.
+        _serving.on_step, _serving.on_usage = on_step, on_usage
         try:
             with _client_errors(param):
                 out = create(**params, stream=stream)
         finally:
-            _serving.on_step = None
+            _serving.on_step = _serving.on_usage = None
         return _guarded(out, param) if stream else out
 
     def _check_logit_bias(self, params: dict[str, Any]) -> None:

@@ -1,17 +1,39 @@
 -- The model process finished a request (served, failed or cancelled).
 -- KEYS[1] processing, KEYS[2] queue, KEYS[3] model hash, KEYS[4] events, KEYS[5] idle watch,
--- KEYS[6] reply stream
+-- KEYS[6] reply stream, KEYS[7] the model's service-time key, KEYS[8] the day's usage hash
 -- ARGV[1] request JSON, ARGV[2] now, ARGV[3] idle event JSON, ARGV[4] last reply type ('' when
--- there is none: a cancelled request), ARGV[5] last reply data JSON, ARGV[6] reply TTL seconds
+-- there is none: a cancelled request), ARGV[5] last reply data JSON, ARGV[6] reply TTL seconds,
+-- ARGV[7] chunk message data JSON written before the last reply ('' when none: a stream's last
+-- chunks ride here instead of costing a round trip of their own), ARGV[8] the model's average
+-- service time ('' to leave it), ARGV[9] its TTL seconds, ARGV[10] the usage field prefix
+-- ('user|model|'), ARGV[11] prompt tokens and ARGV[12] completion tokens ('' when unknown: the
+-- request is counted, its tokens are not), ARGV[13] the usage hash's TTL seconds
 -- The last reply message is written here, with the removal from the processing list: were it
 -- written before, a process dying between the two would leave a request whose client already
 -- read its whole reply (and deleted the stream) on the processing list, and hand_back would
 -- requeue it to be generated again.
+if ARGV[7] ~= '' then
+  redis.call('XADD', KEYS[6], '*', 't', 'chunk', 'd', ARGV[7])
+end
 if ARGV[4] ~= '' then
   redis.call('XADD', KEYS[6], '*', 't', ARGV[4], 'd', ARGV[5])
+end
+if ARGV[4] ~= '' or ARGV[7] ~= '' then
   redis.call('EXPIRE', KEYS[6], tonumber(ARGV[6]))
 end
-redis.call('LREM', KEYS[1], 1, ARGV[1])
+if ARGV[8] ~= '' then
+  redis.call('SET', KEYS[7], ARGV[8], 'EX', tonumber(ARGV[9]))
+end
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  -- Counted once per request: a finish retried after a lost reply removes nothing the second
+  -- time, and counts nothing.
+  redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'requests', 1)
+  if ARGV[11] ~= '' then
+    redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'prompt_tokens', tonumber(ARGV[11]))
+    redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'completion_tokens', tonumber(ARGV[12]))
+  end
+  redis.call('EXPIRE', KEYS[8], tonumber(ARGV[13]))
+end
 redis.call('HSET', KEYS[3], 'last_used', ARGV[2])
 -- Emits the idle event on the busy -> idle edge, and only while the coordinator waits for one
 -- (the idle-watch flag), so it can run a deferred eviction or load the moment it is possible.

@@ -9,6 +9,7 @@ see a complete reply for a request that is still being processed.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -97,6 +98,41 @@ def test_the_last_reply_and_the_processing_removal_are_one_step(
     assert cmds.index(last) < cmds.index(removals[0])
     assert r.llen(keys.processing("a")) == 0
     assert r.xrange(reply_key)[-1][1]["t"] == "done"
+
+
+def test_a_streams_last_chunks_and_the_service_time_ride_in_the_finish_script(
+    r: redis.Redis, proc: ModelProcess
+) -> None:
+    """The chunks a stream holds when it ends and the model's service time are written by the
+    script that writes its last reply (one round trip), in order: chunks, then done."""
+    req = Request(
+        id=new_request_id(),
+        kind=Kind.CHAT,
+        model="a",
+        params={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+        stream=True,
+        submitted=time.time(),
+    )
+    raw = req.dumps()
+    r.lpush(keys.processing("a"), raw)
+    cmds = monitored(r, lambda: proc.handle(raw))
+
+    reply_key = keys.reply(req.id).upper()
+    writes = [c for c in cmds if c["command"].upper().startswith(f"XADD {reply_key}")]
+    by_lua = [c for c in writes if c["client_type"] == "lua"]
+    assert len(by_lua) == 2, writes  # the last chunks, then done
+    assert " chunk " in f" {by_lua[0]['command']} " and " done " in f" {by_lua[1]['command']} "
+    service = [
+        c for c in cmds if c["command"].upper().startswith(f"SET {keys.service('a')}".upper())
+    ]
+    assert [c["client_type"] for c in service] == ["lua"]
+    assert float(r.get(keys.service("a")) or 0) > 0
+    # Every chunk reached the stream, the one with the finish reason last among them.
+    entries = [f for _, f in r.xrange(keys.reply(req.id))]
+    assert [f["t"] for f in entries][-1] == "done"
+    chunks = [c for f in entries if f["t"] == "chunk" for c in json.loads(f["d"])["chunks"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
 def test_a_long_stream_renews_its_reply_ttl(

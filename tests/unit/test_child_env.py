@@ -52,10 +52,18 @@ SECRETS = {
 
 def test_child_env_is_the_allow_list_only() -> None:
     env = devices.child_env("cpu", AGENT_ENV)
-    assert set(env) == set(AGENT_ENV) - SECRETS
+    assert set(env) == set(AGENT_ENV) - SECRETS | {"GOMP_SPINCOUNT"}
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU model sees no GPU
     assert env["RESIDENCY_REDIS_URL"] == AGENT_ENV["RESIDENCY_REDIS_URL"]
     assert devices.child_env("cuda:1", AGENT_ENV)["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_openmp_spins_briefly_unless_the_operator_says_how_it_waits() -> None:
+    assert devices.child_env("cpu", AGENT_ENV)["GOMP_SPINCOUNT"] == devices.OMP_SPIN_COUNT
+    env = devices.child_env("cpu", AGENT_ENV | {"GOMP_SPINCOUNT": "300000"})
+    assert env["GOMP_SPINCOUNT"] == "300000"
+    env = devices.child_env("cuda:0", AGENT_ENV | {"OMP_WAIT_POLICY": "active"})
+    assert "GOMP_SPINCOUNT" not in env and env["OMP_WAIT_POLICY"] == "active"
 
 
 def test_child_env_of_the_real_environment_has_no_admin_key(
