@@ -5,6 +5,9 @@ One run, one machine, the same prompts, max_tokens, seed and temperature 0 for e
 - direct:    ``llama_cpp.Llama(...).create_chat_completion(stream=True)`` in this process;
 - residency: ``python -m residency.cli up`` (embedded Redis, coordinator, agent, gunicorn web, one
              model process per model), called over HTTP with a ``requests.Session`` (SSE);
+- residency+key: the same box, each request carrying an API key whose user and key have quotas
+             (the key is looked up and the admission script runs on every request);
+- residency responses / messages: the same box through ``/v1/responses`` and ``/v1/messages``;
 - peer:      ``python -m llama_cpp.server --config_file`` serving both models (one at a time).
 
 Requests are sequential and interleaved in rounds (direct, residency, peer, direct, ...) so that
@@ -52,6 +55,8 @@ BEGIN = "<!-- overhead:begin -->"
 END = "<!-- overhead:end -->"
 TARGET_ADDED_MS = 5.0  # added median latency per request on the tiny model
 TARGET_TOKS_RATIO = 0.95  # streamed tokens/s on Gemma against direct
+TARGET_KEY_MS = 1.0  # added median latency of a request with an API key that has quotas
+TARGET_API_MS = 0.5  # added median latency of /v1/responses and /v1/messages against chat
 
 TINY_PROMPTS = ("hello", "the world", "hi you", "a world of the", "is it you", "hello world")
 GEMMA_PROMPTS = (
@@ -163,10 +168,12 @@ class Direct:
 class Http:
     """An OpenAI-compatible server, streamed over one keep-alive ``requests.Session``."""
 
-    def __init__(self, name: str, base_url: str) -> None:
+    def __init__(self, name: str, base_url: str, key: str | None = None) -> None:
         self.name = name
         self.url = base_url + "/v1/chat/completions"
         self.session = requests.Session()
+        if key is not None:
+            self.session.headers["Authorization"] = f"Bearer {key}"
 
     def request(self, case: Case, i: int) -> Sample:
         body = {"model": case.name, **chat_params(case, i)}
@@ -179,6 +186,47 @@ class Http:
                 data = line[5:].strip() if line.startswith(b"data:") else b""
                 if data and data != b"[DONE]":
                     clock.chunk(json.loads(data))
+        return clock.sample()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class ApiHttp:
+    """The same box through another API: ``responses`` (``/v1/responses``, its
+    ``response.output_text.delta`` events) or ``messages`` (``/v1/messages``, its
+    ``text_delta`` events); both translate onto the chat pipeline."""
+
+    def __init__(self, api: str, base_url: str) -> None:
+        self.api = api
+        self.name = f"residency {api}"
+        self.url = f"{base_url}/v1/{api}"
+        self.session = requests.Session()
+
+    def body(self, case: Case, i: int) -> dict[str, Any]:
+        common = {"model": case.name, "temperature": 0, "stream": True}
+        if self.api == "responses":
+            return {**common, "input": case.messages(i), "max_output_tokens": case.max_tokens}
+        return {**common, "messages": case.messages(i), "max_tokens": case.max_tokens}
+
+    def request(self, case: Case, i: int) -> Sample:
+        clock = Clock(i)
+        with self.session.post(
+            self.url, json=self.body(case, i), stream=True, timeout=REQUEST_TIMEOUT_S
+        ) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{self.name}: HTTP {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if event.get("type") == "response.output_text.delta":
+                    text = event.get("delta")
+                elif event.get("type") == "content_block_delta":
+                    text = (event.get("delta") or {}).get("text")
+                else:
+                    continue
+                clock.chunk({"choices": [{"delta": {"content": text}}]})
         return clock.sample()
 
     def close(self) -> None:
@@ -308,6 +356,25 @@ def verdicts(tiny: dict[str, list[Sample]], gemma: dict[str, list[Sample]]) -> l
         out.append(
             f"- {name}: added median latency on tiny = {added:.2f} ms "
             f"(target ≤ {TARGET_ADDED_MS:g} ms: {ok})"
+        )
+    if "residency+key" in tiny:
+        added = (
+            summarize(tiny["residency+key"]).latency_med_ms
+            - summarize(tiny["residency"]).latency_med_ms
+        )
+        ok = "met" if added <= TARGET_KEY_MS else "MISSED"
+        out.append(
+            f"- residency+key: a key with quotas adds {added:.2f} ms at the median against "
+            f"no key (target ≤ {TARGET_KEY_MS:g} ms: {ok})"
+        )
+    for api in ("residency responses", "residency messages"):
+        if api not in tiny:
+            continue
+        added = summarize(tiny[api]).latency_med_ms - summarize(tiny["residency"]).latency_med_ms
+        ok = "met" if added <= TARGET_API_MS else "MISSED"
+        out.append(
+            f"- {api}: adds {added:.2f} ms at the median against chat completions "
+            f"(target ≤ {TARGET_API_MS:g} ms: {ok})"
         )
     for name in (n for n in gemma if n != "direct"):
         ratio = summarize(gemma[name]).tokens_per_s / g_direct
@@ -537,6 +604,22 @@ def answers(url: str) -> bool:
     return False
 
 
+def bench_key(url: str, data: Path) -> str:
+    """An API key of a user with quotas (so every request runs the admission script), made
+    through the admin API with the box's admin key."""
+    admin = {"Authorization": f"Bearer {(data / 'admin.key').read_text().strip()}"}
+    big = {"requests_per_minute": 10**6, "tokens_per_day": 10**12, "concurrent": 1000}
+    r = requests.post(
+        f"{url}/admin/users", json={"name": "bench", "quotas": big}, headers=admin, timeout=30
+    )
+    r.raise_for_status()
+    r = requests.post(
+        f"{url}/admin/users/bench/keys", json={"quotas": big}, headers=admin, timeout=30
+    )
+    r.raise_for_status()
+    return str(r.json()["key"])
+
+
 def start_peer(tmp: Path, cases: list[Case], stack: contextlib.ExitStack) -> tuple[str, int]:
     port = free_port()
     cfg = peer_config(tmp / "peer.json", port, cases)
@@ -667,7 +750,12 @@ def run(quick: bool, tmp: Path, stack: contextlib.ExitStack) -> Report:
     stack.callback(residency.close)
     for c in cases:  # the first request loads the model
         residency.request(c, 0)
-    targets: list[Target] = [direct, residency]
+    keyed = Http("residency+key", url, bench_key(url, tmp / "data"))
+    stack.callback(keyed.close)
+    apis = [ApiHttp(api, url) for api in ("responses", "messages")]
+    for a in apis:
+        stack.callback(a.close)
+    targets: list[Target] = [direct, residency, keyed, *apis]
     peer_pid = None
     try:
         peer_url, peer_pid = start_peer(tmp, cases, stack)

@@ -27,7 +27,7 @@ TURN_IDLE_S = 0.5
 @dataclass(frozen=True)
 class ModelView:
     name: str
-    type: str  # "llm" | "embedding"
+    type: str  # residency.settings.MODEL_TYPES: "llm" | "embedding" | "rerank"
     state: ModelState
     token: str = ""
     pinned: bool = False

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
@@ -21,9 +22,9 @@ from coordinator.decide import (
 from residency import __version__, keys, policy_store, registry, states
 from residency.messages import Request
 from residency.policies import candidate_floor, helper_models
-from residency.settings import Settings
+from residency.settings import MODEL_TYPES, Settings
 
-TYPES = ("llm", "embedding")
+TYPES = MODEL_TYPES  # one pool, and one limit, per model type
 PER_MODEL = 5  # replies per model in the pool read
 
 
@@ -77,6 +78,23 @@ def _children(w: dict[str, str]) -> tuple[dict[str, str] | None, float | None]:
     return {str(k): str(v) for k, v in children.items()}, at
 
 
+def queue_summary(items: list[str]) -> tuple[float | None, dict[str, int]]:
+    """(the submit time of the oldest queued request, queued requests per user) of one model's
+    queue list. The oldest is not always the one served next (that is the right end): fair
+    queueing lets another user's later request go first. Anonymous requests count under
+    ``keys.ANONYMOUS``; an unreadable item counts for nobody."""
+    oldest: float | None = None
+    users: Counter[str] = Counter()
+    for raw in items:
+        try:
+            req = Request.loads(raw)
+        except (ValueError, KeyError, TypeError):
+            continue
+        users[req.user or keys.ANONYMOUS] += 1
+        oldest = req.submitted if oldest is None else min(oldest, req.submitted)
+    return oldest, dict(users)
+
+
 @dataclass(frozen=True)
 class Read:
     snap: Snapshot
@@ -84,6 +102,8 @@ class Read:
     worker_hashes: dict[str, dict[str, str]]
     autosize: Autosize  # the floor and per-policy counts, from the same read as the pool
     helpers: tuple[str, ...] = ()  # the routing-helper set, from that same read
+    # Per model with anything queued: its queued requests per user (for the health record).
+    queued_by_user: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def adopt_model_keys(r: redis.Redis) -> int:
@@ -130,7 +150,9 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         pipe.hgetall(keys.model(n))
         pipe.llen(keys.queue(n))
         pipe.llen(keys.processing(n))
-        pipe.lindex(keys.queue(n), -1)
+        # The whole list (it is bounded by max_queue_per_model): its oldest request and how
+        # many each user has queued.
+        pipe.lrange(keys.queue(n), 0, -1)
         pipe.zrange(keys.load_failures(n), 0, -1, withscores=True)
     for h in hosts:
         pipe.hgetall(keys.worker(h))
@@ -138,9 +160,13 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
 
     models: dict[str, ModelView] = {}
     raw: dict[str, dict[str, str]] = {}
+    by_user: dict[str, dict[str, int]] = {}
     for i, n in enumerate(ordered):
-        h, queued, in_flight, oldest, failed = res[PER_MODEL * i : PER_MODEL * (i + 1)]
+        h, queued, in_flight, items, failed = res[PER_MODEL * i : PER_MODEL * (i + 1)]
         failures, last_error = _failures(failed, h, now)
+        oldest, users = queue_summary(items)
+        if users:
+            by_user[n] = users
         e = entries.get(n)
         raw[n] = h
         models[n] = ModelView(
@@ -152,7 +178,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             queued=int(queued),
             in_flight=int(in_flight),
             last_used=float(h.get("last_used") or 0.0),
-            demand_since=Request.loads(oldest).submitted if oldest else None,
+            demand_since=oldest,
             host=h.get("host") or None,
             device=h.get("device") or None,
             registered=e is not None,
@@ -196,7 +222,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         max_busy_s=s.pool.max_busy_s,
         min_resident_s=s.pool.min_resident_s,
     )
-    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)))
+    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)), by_user)
 
 
 def _slots(h: dict[str, str], in_flight: int) -> dict[str, int] | None:
@@ -237,6 +263,7 @@ def health_record(
                 "in_flight": m.in_flight,
                 "slots": _slots(h, m.in_flight),
                 "queued": m.queued,
+                "queued_by_user": rd.queued_by_user.get(m.name, {}),
                 "host": m.host,
                 "device": m.device,
                 "pid": int(h["pid"]) if h.get("pid") else None,

@@ -1,5 +1,5 @@
-"""The `residency` command line (see CONTRACT.md): up, the single roles, status, config, and
-tiny-model. Roles are imported only by the command that runs them."""
+"""The `residency` command line (see CONTRACT.md): up, the single roles, status, config, usage,
+users, keys, tokens and tiny-model. Roles are imported only by the command that runs them."""
 
 from __future__ import annotations
 
@@ -139,8 +139,13 @@ def render_status(h: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = _base_url(args, _box(args))
-    resp = requests.get(url + "/health", timeout=10)
+    box = _box(args)
+    url = _base_url(args, box)
+    try:  # /health needs a key on a box that requires keys: the admin key is one
+        headers = {"Authorization": f"Bearer {box.admin_key()}"}
+    except RuntimeError:
+        headers = {}
+    resp = requests.get(url + "/health", headers=headers, timeout=10)
     if resp.status_code != 200:
         print(
             f"residency status: {url}/health answered {resp.status_code}: {resp.text}",
@@ -192,10 +197,103 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0 if resp.status_code == 200 else 1
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    from residency.usage import render
+
+    url, headers = _admin(args)
+    params = {
+        k: v
+        for k, v in (
+            ("from", args.from_day),
+            ("to", args.to_day),
+            ("user", args.user),
+            ("model", args.model),
+        )
+        if v
+    }
+    resp = requests.get(url + "/admin/usage", headers=headers, params=params, timeout=30)
+    if resp.status_code != 200:
+        print(f"residency usage: {resp.status_code}: {resp.text}", file=sys.stderr)
+        return 1
+    rep = resp.json()
+    print(json.dumps(rep, indent=2) if args.json else render(rep))
+    return 0
+
+
+def _quotas(assignments: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a in assignments or []:
+        name, sep, raw = a.partition("=")
+        if not sep:
+            raise SystemExit(f"residency: expected --quota NAME=VALUE, got {a!r}")
+        try:
+            out[name.strip()] = json.loads(raw)
+        except ValueError:
+            out[name.strip()] = raw  # the admin API names the bad value
+    return out
+
+
+def _names(csv: str | None) -> list[str] | None:
+    return None if csv is None else [n for n in csv.split(",") if n]
+
+
+def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> int:
+    """One admin API call; prints its JSON answer (an error to stderr)."""
+    url, headers = _admin(args)
+    params = {"user": args.user} if getattr(args, "user", None) else None
+    resp = requests.request(
+        method, url + path, headers=headers, json=body, params=params, timeout=10
+    )
+    ok = resp.status_code in (200, 201)
+    print(json.dumps(resp.json(), indent=2), file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_users(args: argparse.Namespace) -> int:
+    if args.action == "ls":
+        return _call(args, "GET", "/admin/users")
+    if args.action == "rm":
+        return _call(args, "DELETE", f"/admin/users/{args.name}")
+    body: dict[str, Any] = {"name": args.name}
+    if args.weight is not None:
+        body["weight"] = args.weight
+    if args.quota:
+        body["quotas"] = _quotas(args.quota)
+    return _call(args, "POST", "/admin/users", body)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    if args.action == "ls":
+        return _call(args, "GET", "/admin/keys")
+    if args.action == "revoke":
+        return _call(args, "DELETE", f"/admin/keys/{args.id}")
+    body: dict[str, Any] = {
+        "label": args.label or "",
+        "models": _names(args.models),
+        "policies": _names(args.policies),
+        "may_load": not args.no_load,
+        "route_trace": args.route_trace,
+    }
+    if args.quota:
+        body["quotas"] = _quotas(args.quota)
+    # The answer holds the key: the only time it is shown.
+    return _call(args, "POST", f"/admin/users/{args.owner}/keys", body)
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    if args.action == "ls":
+        return _call(args, "GET", "/admin/tokens")
+    if args.action == "rm":
+        return _call(args, "DELETE", f"/admin/tokens/{args.name}")
+    return _call(args, "POST", "/admin/tokens", {"name": args.name})
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from residency.tinymodel import write_tiny_model
 
-    p = write_tiny_model(args.out, seed=args.seed, dtype=args.dtype, embedding=args.embedding)
+    p = write_tiny_model(
+        args.out, seed=args.seed, dtype=args.dtype, embedding=args.embedding, rerank=args.rerank
+    )
     print(p)
     return 0
 
@@ -234,11 +332,57 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("assignments", nargs="+", metavar="SECTION.KEY=VALUE")
     cfg.set_defaults(func=cmd_config)
 
+    us = common(sub.add_parser("usage", help="what each user used, per model and day (table)"))
+    us.add_argument("--url", help="base URL of the box (default: from the config)")
+    us.add_argument("--from", dest="from_day", metavar="YYYY-MM-DD", help="first day (UTC)")
+    us.add_argument("--to", dest="to_day", metavar="YYYY-MM-DD", help="last day (default today)")
+    us.add_argument("--user", help="only this user ('-': anonymous callers)")
+    us.add_argument("--model", help="only this model")
+    us.add_argument("--json", action="store_true", help="print the raw /admin/usage answer")
+    us.set_defaults(func=cmd_usage)
+
+    quota_help = "NAME=VALUE: requests_per_minute, tokens_per_day, concurrent, ..."
+    users_p = common(sub.add_parser("users", help="add, list or remove users"))
+    users_p.add_argument("--url", help="base URL of the box (default: from the config)")
+    usub = users_p.add_subparsers(dest="action", required=True)
+    ua = usub.add_parser("add")
+    ua.add_argument("name")
+    ua.add_argument("--weight", type=float, help="share in fair queueing (default 1)")
+    ua.add_argument("--quota", action="append", metavar="NAME=VALUE", help=quota_help)
+    usub.add_parser("ls")
+    usub.add_parser("rm").add_argument("name")
+    users_p.set_defaults(func=cmd_users)
+
+    keys_p = common(sub.add_parser("keys", help="issue, list or revoke API keys"))
+    keys_p.add_argument("--url", help="base URL of the box (default: from the config)")
+    ksub = keys_p.add_subparsers(dest="action", required=True)
+    ki = ksub.add_parser("issue", help="a new key for a user (printed once)")
+    ki.add_argument("owner", metavar="USER")
+    ki.add_argument("--label", help="what the key is for")
+    ki.add_argument("--models", metavar="A,B", help="only these models (default: all)")
+    ki.add_argument("--policies", metavar="P,Q", help="only these policies (default: all)")
+    ki.add_argument("--no-load", action="store_true", help="may not cause a model load")
+    ki.add_argument("--route-trace", action="store_true", help="may ask for route_trace")
+    ki.add_argument("--quota", action="append", metavar="NAME=VALUE", help=quota_help)
+    ksub.add_parser("ls").add_argument("--user", help="only this user's keys")
+    ksub.add_parser("revoke").add_argument("id")
+    keys_p.set_defaults(func=cmd_keys)
+
+    tok = common(sub.add_parser("tokens", help="add, list or remove named admin tokens"))
+    tok.add_argument("--url", help="base URL of the box (default: from the config)")
+    tsub = tok.add_subparsers(dest="action", required=True)
+    tsub.add_parser("add", help="a new admin token (printed once)").add_argument("name")
+    tsub.add_parser("ls")
+    tsub.add_parser("rm").add_argument("name")
+    tok.set_defaults(func=cmd_tokens)
+
     tm = sub.add_parser("tiny-model", help="write a tiny seeded-random llama GGUF")
     tm.add_argument("out", type=Path)
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--dtype", choices=["f32", "q8_0"], default="f32")
-    tm.add_argument("--embedding", action="store_true")
+    kind = tm.add_mutually_exclusive_group()
+    kind.add_argument("--embedding", action="store_true")
+    kind.add_argument("--rerank", action="store_true", help="a reranker (rank pooling)")
     tm.set_defaults(func=cmd_tiny_model)
     return ap
 

@@ -64,7 +64,9 @@ def model(name: str) -> str:
     load id that owns the state), ``host``, ``device``, ``pid``, ``last_used``, ``loaded_at``,
     ``load_seconds``, ``error``, ``parallel`` (its slots), ``reader`` (the connection id of its
     model process's queue reads, which the coordinator unblocks), ``yielding`` and
-    ``yielding_since`` (the waiting model it gives its slot to; kept until its next load).
+    ``yielding_since`` (the waiting model it gives its slot to; kept until its next load),
+    ``load_user`` and ``load_key`` (whose request caused its current load: its load time is
+    charged to them; set by ``start_load.lua``).
     ``state`` and ``token`` are written only through the compare-and-set scripts in
     ``residency.lua`` (by the coordinator, the agent and the model process); the coordinator's
     other writes to it are fenced by its lease."""
@@ -121,6 +123,21 @@ def processing(name: str) -> str:
     return f"{PREFIX}processing:{name}"
 
 
+def queue_tags(name: str) -> str:
+    """sorted set of request JSON -> start tag (fair queueing), no TTL: one model's queued and
+    in-flight requests, so the smallest tag is the model's virtual time. Added by the submit
+    script; removed by the scripts that finish, withdraw, reject or fail a request; deleted with
+    ``queue_finish`` whenever the model has nothing queued and nothing in flight (and with a
+    forgotten model's keys)."""
+    return f"{PREFIX}queue-tags:{name}"
+
+
+def queue_finish(name: str) -> str:
+    """hash ``user -> finish tag`` of the last request each user queued for one model (fair
+    queueing), no TTL; written by the submit script, deleted with ``queue_tags``."""
+    return f"{PREFIX}queue-finish:{name}"
+
+
 def reply(request_id: str) -> str:
     """stream of reply messages for one request, TTL ``REPLY_TTL_S``. Written by the model process
     (or by the coordinator for a rejection), read by the web thread that submitted it."""
@@ -153,6 +170,46 @@ def usage(day: str) -> str:
 
 def usage_field(user: str, model: str, counter: str) -> str:
     return f"{user or ANONYMOUS}|{model}|{counter}"
+
+
+def usage_totals() -> str:
+    """hash: what was used since the box's data began, the fields and counters of ``usage(day)``
+    (``requests``, ``prompt_tokens``, ``completion_tokens``), no TTL. Counted in the same step
+    as the day's hash (``finish.lua``); ``/metrics`` exports it per user only with ``[metrics]
+    per_user`` (monotonic counters, which summing the day hashes would not give cheaply)."""
+    return f"{PREFIX}usage:all"
+
+
+def quota_day(day: str) -> str:
+    """hash: one UTC day's (``YYYY-MM-DD``) totals that daily quotas are checked against, field
+    ``quota_field(counter, subject, name)``: ``tokens`` (prompt + completion, counted by
+    ``finish.lua`` with the usage hash) and ``load_seconds`` (charged by ``commit_load.lua`` to
+    the user and key whose request caused the load), for subject ``user`` and ``key``. Read by
+    ``admit.lua``; TTL ``QUOTA_DAY_TTL_S``."""
+    return f"{PREFIX}quota-day:{day}"
+
+
+def quota_field(counter: str, subject: str, name: str) -> str:
+    """A field of ``quota_day``: ``counter`` (``tokens``, ``load_seconds``) of one ``subject``
+    (``user``, ``key``) ``name``; the name goes last, so any name is read back whole."""
+    return f"{counter}|{subject}|{name}"
+
+
+def quota_rate(subject: str, name: str) -> str:
+    """sorted set of the requests one user or key (``subject`` ``user`` / ``key``) was admitted
+    in the last minute: member = an admission id, score = its time (Redis ``TIME``): the
+    sliding window of ``requests_per_minute``. Written only by ``admit.lua`` (which prunes
+    members older than a minute); TTL ``QUOTA_WINDOW_S`` + 1 from the last admission."""
+    return f"{PREFIX}quota-rpm:{subject}:{name}"
+
+
+def quota_concurrent(subject: str, name: str) -> str:
+    """sorted set of the requests of one user or key in flight: member = an admission id, score
+    = when its place expires (admission time + the request's deadline, or its timeout when it
+    has none), so a web process that dies holding a place leaks it only until then. Added by
+    ``admit.lua``, removed by the web process when it finishes the request (answered, failed or
+    its client gone); expired members are pruned by the next admission. TTL: its last expiry."""
+    return f"{PREFIX}quota-conc:{subject}:{name}"
 
 
 def service(name: str) -> str:
@@ -232,10 +289,10 @@ def health() -> str:
 
 
 def limits() -> str:
-    """hash ``llm``, ``embedding`` (effective limits) and ``generation`` (the pass generation
-    that last changed them), no TTL. Written by the coordinator leader together with the health
-    record; a model process reads it when it commits a load, so a load decided under older
-    limits triggers a full enforcement pass."""
+    """hash ``llm``, ``embedding``, ``rerank`` (effective limits, one per model type) and
+    ``generation`` (the pass generation that last changed them), no TTL. Written by the
+    coordinator leader together with the health record; a model process reads it when it
+    commits a load, so a load decided under older limits triggers a full enforcement pass."""
     return f"{PREFIX}limits"
 
 
@@ -265,6 +322,26 @@ def faults() -> str:
     return f"{PREFIX}faults"
 
 
+def users() -> str:
+    """hash ``user name -> JSON {"name", "weight", "quotas", "created"}``, no TTL. The users API
+    keys are issued for (``residency.users``). Written only by the admin API."""
+    return f"{PREFIX}users"
+
+
+def api_keys() -> str:
+    """hash ``key id -> JSON record`` (user, sha256 of the secret, created, label, scopes,
+    quotas; never the secret), no TTL. Written only by the admin API (issue, revoke, and the
+    removal of a user, which revokes its keys in the same MULTI); read by web on every request
+    that carries a user key (``principal.lua``), so a revoke is seen by the next request."""
+    return f"{PREFIX}apikeys"
+
+
+def admin_tokens() -> str:
+    """hash ``token name -> JSON {"name", "hash", "created"}``, no TTL: the named admin tokens
+    besides ``default`` (the admin key, which is never stored). Written only by the admin API."""
+    return f"{PREFIX}admin-tokens"
+
+
 def audit() -> str:
     """list of audit JSON (newest first), capped at ``AUDIT_MAX`` by LTRIM. Admin API writes."""
     return f"{PREFIX}audit"
@@ -274,6 +351,10 @@ REPLY_TTL_S = 600
 PROGRESS_TTL_S = 3600
 SERVICE_TTL_S = 86400
 USAGE_TTL_S = 400 * 86400
+#: A day's quota totals are read only on that day (two days: a clock a little behind UTC).
+QUOTA_DAY_TTL_S = 2 * 86400
+#: The sliding window of ``requests_per_minute``.
+QUOTA_WINDOW_S = 60
 #: The name usage is counted under for a request nobody was identified for.
 ANONYMOUS = "-"
 WORKER_TTL_S = 10

@@ -1,7 +1,8 @@
 """The Lua scripts that make each multi-key change atomic, with typed Python entry points.
 
 Scripts live in ``residency/lua/*.lua``; state-changing ones get ``_prelude.lua`` (the
-compare-and-set helper) prepended. Keys always come from ``residency.keys``; allowed source
+compare-and-set helper) prepended, and those that add or remove requests ``_fair.lua`` (fair
+queueing between users). Keys always come from ``residency.keys``; allowed source
 states always come from ``residency.states``.
 """
 
@@ -16,17 +17,22 @@ from typing import Any
 import redis
 
 from residency import keys
+from residency.auth import Quotas
+from residency.settings import MODEL_TYPES
 from residency.states import OCCUPYING, ModelState, sources_for
 
 _WITH_PRELUDE = {"transition", "start_load", "commit_load", "begin_drain", "try_unload"}
+_WITH_FAIR = {"submit", "finish", "withdraw", "reject_oldest", "hand_back"}
 
 
 @cache
 def _source(name: str) -> str:
     base = files("residency").joinpath("lua")
     body = base.joinpath(f"{name}.lua").read_text()
+    if name in _WITH_FAIR:
+        body = base.joinpath("_fair.lua").read_text() + "\n" + body
     if name in _WITH_PRELUDE:
-        return base.joinpath("_prelude.lua").read_text() + "\n" + body
+        body = base.joinpath("_prelude.lua").read_text() + "\n" + body
     return body
 
 
@@ -135,6 +141,12 @@ class Fenced:
         return list(res)
 
 
+def _type_limits(limits: dict[str, int]) -> list[Any]:
+    """``type, limit`` pairs of every model type, in a fixed order (a type a pass left out
+    counts 1, the smallest limit)."""
+    return [x for t in MODEL_TYPES for x in (t, limits.get(t, 1))]
+
+
 class Scripts:
     """One instance per Redis client; scripts are sent by SHA and reloaded if Redis lost them."""
 
@@ -161,11 +173,22 @@ class Scripts:
                 "record_failure",
                 "forget_host",
                 "forget_model",
+                "admit",
+                "principal",
             )
         }
 
     def _run(self, name: str, keys_: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys_, args=args)
+
+    def principal(self, key_id: str) -> tuple[str, str | None] | None:
+        """(key record, its user's record or None) of a user key, or None when there is no
+        such key: one round trip for web's per-request authentication."""
+        out = self._run("principal", [keys.api_keys(), keys.users()], [key_id])
+        if not out:
+            return None
+        rec, user = out
+        return _s(rec), (_s(user) if user else None)
 
     def transition(
         self,
@@ -206,6 +229,7 @@ class Scripts:
                 keys.agent_commands(host),
                 keys.leader(),
                 keys.models_with_state(),
+                keys.queue(model),
             ],
             [
                 _csv(ModelState.LOADING),
@@ -229,21 +253,46 @@ class Scripts:
         limits_generation: int,
         ready_event: dict[str, Any],
         fields: dict[str, Any],
+        load_seconds: float = 0.0,
+        charge_user: str = "",
+        charge_key: str = "",
+        now: float | None = None,
     ) -> tuple[bool, str]:
         """loading -> ready for ``token``, re-checked against the limits in force now: (True,
         'ok'), (True, 'recheck') when the limits changed since the load was decided (a full
-        enforcement pass is asked for), or (False, the state that refused the commit)."""
+        enforcement pass is asked for), or (False, the state that refused the commit). In the
+        same step, ``load_seconds`` are charged to ``charge_user`` (its usage, counter
+        ``load_seconds``, and its day's quota total) and ``charge_key`` (its day's quota
+        total): the user and key whose request caused the load (none: nobody's)."""
         recheck = {**ready_event, "data": {**ready_event.get("data", {}), "recheck": True}}
+        day = time.strftime("%Y-%m-%d", time.gmtime(time.time() if now is None else now))
         args: list[Any] = [
             _csv(ModelState.READY),
             token,
             limits_generation,
             json.dumps(ready_event),
             json.dumps(recheck),
+            f"{load_seconds:.4f}",
+            keys.usage_field(charge_user, model, "load_seconds") if charge_user else "",
+            keys.quota_field("load_seconds", "user", charge_user) if charge_user else "",
+            keys.quota_field("load_seconds", "key", charge_key) if charge_key else "",
+            keys.USAGE_TTL_S,
+            keys.QUOTA_DAY_TTL_S,
         ]
         for k, v in fields.items():
             args += [k, "" if v is None else v]
-        ok, res = self._run("commit_load", [keys.model(model), keys.limits(), keys.events()], args)
+        ok, res = self._run(
+            "commit_load",
+            [
+                keys.model(model),
+                keys.limits(),
+                keys.events(),
+                keys.usage(day),
+                keys.quota_day(day),
+                keys.usage_totals(),
+            ],
+            args,
+        )
         return bool(ok), _s(res)
 
     def submit(
@@ -254,13 +303,35 @@ class Scripts:
         bound: int,
         demand_event: dict[str, Any],
         may_load: bool = True,
+        user: str = "",
+        weight: float = 1.0,
+        fair: bool = True,
     ) -> tuple[int, int | str]:
         """(1, depth) when queued; (0, depth) when the queue is full; (2, state) when the
-        model is not resident and ``may_load`` is false (nothing was queued)."""
+        model is not resident and ``may_load`` is false (nothing was queued). With ``fair``,
+        queued in its place among the model's users (start-time fair queueing, ``user``'s
+        share ``weight``, see ``_fair.lua``); without, at the end of the line."""
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
         code, val = self._run(
             "submit",
-            [keys.queue(model), keys.model(model), keys.events()],
-            [item, bound, json.dumps(demand_event), "1" if may_load else "0"],
+            [
+                keys.queue(model),
+                keys.model(model),
+                keys.events(),
+                keys.queue_tags(model),
+                keys.queue_finish(model),
+                keys.processing(model),
+            ],
+            [
+                item,
+                bound,
+                json.dumps(demand_event),
+                "1" if may_load else "0",
+                "1" if fair else "0",
+                user,
+                repr(1.0 / weight),
+            ],
         )
         return int(code), (_s(val) if int(code) == 2 else int(val))
 
@@ -277,16 +348,19 @@ class Scripts:
         service_s: float | None = None,
         user: str = "",
         usage: tuple[int, int] | None = None,
+        key: str = "",
     ) -> bool:
         """Take a finished request off the processing list, writing its last reply message
         (``last``: reply type and data; none for a cancelled request) in the same step —
         after a chunk message of ``chunks`` (a stream's last ones), if any — and the model's
         average ``service_s``, if given; counts the request, and its ``usage`` (prompt and
-        completion tokens) when known, for ``user`` on today's usage hash (UTC). Returns True
+        completion tokens) when known, for ``user`` on today's usage hash (UTC), and its tokens
+        on the day's quota totals of ``user`` and of ``key`` (its API key's id). Returns True
         when this finish sent the idle event (the model went idle while the coordinator was
         waiting for that)."""
         kind, data = last if last is not None else ("", {})
         compact = (",", ":")
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
         went_idle = self._run(
             "finish",
             [
@@ -297,7 +371,11 @@ class Scripts:
                 keys.idle_watch(),
                 keys.reply(request_id),
                 keys.service(model),
-                keys.usage(time.strftime("%Y-%m-%d", time.gmtime(now))),
+                keys.usage(day),
+                keys.queue_tags(model),
+                keys.queue_finish(model),
+                keys.quota_day(day),
+                keys.usage_totals(),
             ],
             [
                 item,
@@ -313,9 +391,46 @@ class Scripts:
                 "" if usage is None else usage[0],
                 "" if usage is None else usage[1],
                 keys.USAGE_TTL_S,
+                keys.quota_field("tokens", "user", user) if user else "",
+                keys.quota_field("tokens", "key", key) if key else "",
+                keys.QUOTA_DAY_TTL_S,
             ],
         )
         return bool(went_idle)
+
+    def admit(
+        self,
+        model: str,
+        admission_id: str,
+        *,
+        day: str,
+        hold_s: float,
+        may_load: bool,
+        subjects: list[tuple[str, str, Quotas]],
+    ) -> list[str]:
+        """Admit one request for ``model`` against the quotas of ``subjects`` ((``user`` or
+        ``key``, name, quotas) each): [] when admitted (its places taken), else the refusal
+        whose wait is the longest: [subject index (0-based), quota, limit, used, retry seconds
+        ('' for a daily quota), the model's state]. ``day``: today (UTC), whose totals the
+        daily quotas are checked against; ``hold_s``: how long an in-flight place is held at
+        most; ``may_load``: the model is local (its load-seconds quota applies while it is
+        neither ready nor loading)."""
+        keys_ = [keys.quota_day(day), keys.model(model), keys.service(model)]
+        args: list[Any] = [admission_id, hold_s, keys.QUOTA_WINDOW_S, "1" if may_load else "0"]
+        for subject, name, q in subjects:
+            keys_ += [keys.quota_rate(subject, name), keys.quota_concurrent(subject, name)]
+            args += [
+                "" if q.requests_per_minute is None else q.requests_per_minute,
+                "" if q.concurrent is None else q.concurrent,
+                "" if q.tokens_per_day is None else q.tokens_per_day,
+                "" if q.load_seconds_per_day is None else q.load_seconds_per_day,
+                keys.quota_field("tokens", subject, name),
+                keys.quota_field("load_seconds", subject, name),
+            ]
+        res = self._run("admit", keys_, args)
+        if int(res[0]) == 1:
+            return []
+        return [str(int(res[1]) - 1), *(_s(v) for v in res[2:])]
 
     def begin_drain(
         self, model: str, *, token: str, control: dict[str, Any], now: float, lease: str
@@ -347,7 +462,14 @@ class Scripts:
         return _s(
             self._run(
                 "try_unload",
-                [keys.model(model), keys.queue(model), keys.processing(model), keys.events()],
+                [
+                    keys.model(model),
+                    keys.queue(model),
+                    keys.processing(model),
+                    keys.events(),
+                    keys.queue_tags(model),
+                    keys.queue_finish(model),
+                ],
                 [
                     token,
                     _csv(ModelState.UNLOADED),
@@ -377,7 +499,14 @@ class Scripts:
         res = _s(
             self._run(
                 "hand_back",
-                [keys.processing(model), keys.queue(model), keys.reply(request_id), *fence],
+                [
+                    keys.processing(model),
+                    keys.queue(model),
+                    keys.reply(request_id),
+                    keys.queue_tags(model),
+                    keys.queue_finish(model),
+                    *fence,
+                ],
                 [
                     item,
                     json.dumps(error),
@@ -406,7 +535,14 @@ class Scripts:
         fence = [keys.leader()] if lease else []
         res = self._run(
             "reject_oldest",
-            [keys.queue(model), keys.reply(request_id), *fence],
+            [
+                keys.queue(model),
+                keys.reply(request_id),
+                keys.queue_tags(model),
+                keys.queue_finish(model),
+                keys.processing(model),
+                *fence,
+            ],
             [item, json.dumps(error), keys.REPLY_TTL_S, lease or ""],
         )
         if _s(res) == "not_leader":
@@ -418,7 +554,14 @@ class Scripts:
         otherwise, with ``cancel``, set its cancel flag so the process that took it stops."""
         res = self._run(
             "withdraw",
-            [keys.queue(model), keys.cancel(request_id), keys.reply(request_id)],
+            [
+                keys.queue(model),
+                keys.cancel(request_id),
+                keys.reply(request_id),
+                keys.queue_tags(model),
+                keys.queue_finish(model),
+                keys.processing(model),
+            ],
             [item, "1" if cancel else "0", keys.REPLY_TTL_S],
         )
         return bool(res)
@@ -441,7 +584,7 @@ class Scripts:
             self._run(
                 "publish_limits",
                 [keys.limits(), keys.leader()],
-                [generation, lease, limits.get("llm", 1), limits.get("embedding", 1)],
+                [generation, lease, *_type_limits(limits)],
             )
         )
 
@@ -512,6 +655,8 @@ class Scripts:
                     keys.leader(),
                     keys.progress(model),
                     keys.service(model),
+                    keys.queue_tags(model),
+                    keys.queue_finish(model),
                 ],
                 [lease, model, ",".join(sorted(s.value for s in OCCUPYING))],
             )

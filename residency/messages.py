@@ -17,6 +17,19 @@ class Kind(enum.StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+    # Scores of (query, document) pairs by a rerank model: params {"query", "documents"}; the
+    # reply is {"scores": [one per document, in order], "usage": {...}} (web shapes the answer).
+    RERANK = "rerank"
+    # A chat request's prompt rendered and tokenized, nothing generated: the reply is
+    # {"input_tokens": N} (the Anthropic API's count_tokens).
+    TOKENIZE = "tokenize"
+
+
+#: A chat param only web sets (validation passes on no such field from a client), taken out by
+#: the model process: the answer then also says what the Anthropic API reports and OpenAI's
+#: shape has no field for: the stop string that ended it (``stop_sequence`` in the choice of a
+#: whole answer, or of a stream's last chunk) and, in a stream's first chunk, ``prompt_tokens``.
+REPORT_PARAM = "_report"
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,9 @@ class Request:
     # Who asked ("" when the box does not know: no key required and none given): its usage is
     # counted under that name, and fair queueing takes turns between names.
     user: str = ""
+    # The id of the API key it came with ("" when none): its tokens count towards that key's
+    # daily quota too.
+    key: str = ""
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -52,6 +68,7 @@ class Request:
             attempts=int(d.get("attempts", 0)),
             deadline=float(d.get("deadline", 0.0)),
             user=str(d.get("user", "")),
+            key=str(d.get("key", "")),
         )
 
 

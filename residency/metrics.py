@@ -37,6 +37,10 @@ PASSES_TOTAL = "residency_enforcement_passes_total"
 RECHECKS_TOTAL = "residency_load_commit_rechecks_total"
 DEFERRED = "residency_deferred_shrink"
 YIELDS_TOTAL = "residency_yields_total"
+# Per user, only with ``[metrics] per_user`` (one series per user and model: unbounded by
+# configuration, so off by default).
+USER_REQUESTS_TOTAL = "residency_user_requests_total"
+USER_TOKENS_TOTAL = "residency_user_tokens_total"
 
 LOAD_BUCKETS: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 AGE_BUCKETS: Sequence[float] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400, 86400)
@@ -67,8 +71,9 @@ def observe(pipe: Any, metric: str, labels: dict[str, str], value: float) -> Non
 class RedisCollector(Collector):
     """Exports the Redis-held counters and histograms, and the gauges of the health record."""
 
-    def __init__(self, r: redis.Redis) -> None:
+    def __init__(self, r: redis.Redis, per_user: bool = False) -> None:
         self.r = r
+        self.per_user = per_user
 
     def collect(self) -> Iterator[Any]:
         pipe = self.r.pipeline(transaction=False)
@@ -76,12 +81,45 @@ class RedisCollector(Collector):
         for name in _HISTOGRAMS:
             pipe.hgetall(keys.metric_histogram(name))
         pipe.hget(keys.health(), "record")
-        counters, *hists, raw_health = pipe.execute()
+        if self.per_user:
+            pipe.hgetall(keys.usage_totals())
+        res = pipe.execute()
+        counters, hists, raw_health = (
+            res[0],
+            res[1 : 1 + len(_HISTOGRAMS)],
+            res[1 + len(_HISTOGRAMS)],
+        )
         yield from self._counters(counters)
         for name, data in zip(_HISTOGRAMS, hists, strict=True):
             yield self._histogram(name, data)
         if raw_health:
             yield from self._gauges(json.loads(raw_health))
+        if self.per_user:
+            yield from self._users(res[-1])
+
+    @staticmethod
+    def _users(data: dict[str, str]) -> Iterator[CounterMetricFamily]:
+        """Requests and tokens per user and model, from the all-time usage totals (``-`` is
+        the anonymous callers)."""
+        requests = CounterMetricFamily(
+            USER_REQUESTS_TOTAL.removesuffix("_total"),
+            "API requests served per user and model",
+            labels=["user", "model"],
+        )
+        tokens = CounterMetricFamily(
+            USER_TOKENS_TOTAL.removesuffix("_total"),
+            "Tokens per user, model and kind (prompt, completion)",
+            labels=["user", "model", "kind"],
+        )
+        for field, value in sorted(data.items()):
+            user, _, rest = field.partition("|")
+            model, _, counter = rest.rpartition("|")
+            if counter == "requests":
+                requests.add_metric([user, model], float(value))
+            elif counter in ("prompt_tokens", "completion_tokens"):
+                tokens.add_metric([user, model, counter.removesuffix("_tokens")], float(value))
+        yield requests
+        yield tokens
 
     @staticmethod
     def _counters(data: dict[str, str]) -> Iterator[CounterMetricFamily]:

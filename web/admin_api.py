@@ -8,13 +8,14 @@ and coordinator event) and answered at once; enforcement is the coordinator's jo
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, g, jsonify, request
 from pydantic import ValidationError
 
-from residency import errors, keys, policies, policy_store, registry
+from residency import errors, keys, policies, policy_store, registry, usage
 from residency.box import ConfigStore, NameTaken, audit
 from residency.errors import ApiError
 from residency.messages import Event, EventType
@@ -24,7 +25,7 @@ from residency.settings import (
     check_model_name,
     validate_patch,
 )
-from web import routing
+from web import auth, routing
 from web.body import read_json
 from web.faults import parse_faults
 from web.responses import settings_error
@@ -38,17 +39,25 @@ AUDIT_DEFAULT = 100
 
 @bp.before_request
 def _auth() -> None:
-    if not state().is_admin(request.headers.get("Authorization")):
+    # The admin key (the token named "default") or a named admin token, by bearer only.
+    header = request.headers.get("Authorization") or ""
+    scheme, _, token = header.partition(" ")
+    name = None
+    if scheme.lower() == "bearer" and token.strip():
+        name = auth.admin_token_name(state(), token.strip())
+    if name is None:
         raise ApiError(
             401,
-            "admin API: send 'Authorization: Bearer <admin key>'",
+            "admin API: send 'Authorization: Bearer <admin key or admin token>'",
             type="authentication_error",
             code="invalid_admin_key",
         )
+    g.admin = name
 
 
 def _actor() -> str:
-    return f"admin@{request.remote_addr or '-'}"
+    """Who made a change, for the audit log: the admin token's name."""
+    return f"admin:{g.get('admin') or '-'}"
 
 
 def _changed(generation: int) -> int:
@@ -371,3 +380,22 @@ def post_faults() -> Any:
     audit(pipe, _actor(), "faults", {"set": put, "deleted": drop})
     pipe.hgetall(keys.faults())
     return jsonify({"faults": pipe.execute()[-1]})
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+
+@bp.get("/usage")
+def get_usage() -> Any:
+    """What was used, per user, per model and per UTC day: ``from`` and ``to`` (YYYY-MM-DD,
+    both included; default today), ``user`` (``-`` = anonymous callers), ``model``."""
+    args = request.args
+    today = datetime.now(UTC).date()
+    try:
+        span = usage.parse_range(args.get("from") or None, args.get("to") or None, today)
+    except usage.RangeError as e:
+        raise errors.bad_request(str(e), e.param, "invalid_date") from None
+    rep = usage.report(
+        state().r, span, user=args.get("user") or None, model=args.get("model") or None
+    )
+    return jsonify(rep)

@@ -10,7 +10,19 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from residency.box import Box
 from residency.errors import ApiError
-from web import admin_api, bus, openai_api, ops
+from web import (
+    admin_api,
+    admin_users,
+    auth,
+    bus,
+    messages_api,
+    openai_api,
+    openapi,
+    ops,
+    rerank_api,
+    responses_api,
+    ui,
+)
 from web.body import too_large
 from web.responses import error_response
 from web.state import EXTENSION, State, state
@@ -91,8 +103,16 @@ def create_app(box: Box | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions[EXTENSION] = State(box or Box.from_env())
     _register_errors(app)
+    # Authentication first: a caller without a valid key learns nothing else (not even 413).
+    app.before_request(auth.authenticate)
     app.before_request(_limit_body)
     app.register_blueprint(openai_api.bp)
+    app.register_blueprint(responses_api.bp)
+    app.register_blueprint(rerank_api.bp)
+    app.register_blueprint(messages_api.bp)
     app.register_blueprint(admin_api.bp)
+    app.register_blueprint(admin_users.bp)
     app.register_blueprint(ops.bp)
+    app.register_blueprint(ui.bp)
+    app.register_blueprint(openapi.bp)
     return app

@@ -273,12 +273,18 @@ def submit(
     client_gone: Callable[[], bool] | None = None,
     keepalive_s: float = 0.0,
     user: str = "",
+    key: str = "",
     may_load: bool = True,
+    weight: float = 1.0,
+    fair: bool = True,
 ) -> Call:
     """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
     ``deadline_s``: it must be finished that long after submit (0: no deadline). ``user``:
-    who asked (usage and fair turns); without ``may_load`` a model that is neither ready nor
-    loading is refused 409 and nothing is queued (the request would load it)."""
+    who asked (usage and fair turns); ``key``: the id of its API key (daily quotas); without
+    ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is queued
+    (the request would load it). ``weight``: the
+    user's share of the model's turns; ``fair``: take turns between users (``pool.fair_queues``)
+    rather than first come, first served."""
     now = time.time()
     req = Request(
         id=new_request_id(),
@@ -289,6 +295,7 @@ def submit(
         submitted=now,
         deadline=now + deadline_s if deadline_s > 0 else 0.0,
         user=user,
+        key=key,
     )
     item = req.dumps()
     try:
@@ -298,6 +305,9 @@ def submit(
             bound=bound,
             demand_event=Event(EventType.DEMAND, model).to_dict(),
             may_load=may_load,
+            user=user,
+            weight=weight,
+            fair=fair,
         )
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise storage_unavailable(e) from e

@@ -20,7 +20,7 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.registry import Entry, all_entries
-from web import admission, bus, remote, routing, validation
+from web import admission, auth, bus, quota, remote, routing, validation
 from web.body import check_size, read_json
 from web.state import State, View, state
 
@@ -52,10 +52,13 @@ class Target:
     trace: dict[str, Any] | None = None
 
 
+#: The model type each request kind needs (any other kind: "llm"), and what it is called.
+_SERVED_BY = {Kind.EMBEDDING: ("embedding", "embeddings"), Kind.RERANK: ("rerank", "reranking")}
+
+
 def _check_type(entry: Entry, kind: Kind, param: str = "model") -> None:
-    want_embedding = kind is Kind.EMBEDDING
-    if (entry.spec.type == "embedding") != want_embedding:
-        what = "embeddings" if want_embedding else "text generation"
+    want, what = _SERVED_BY.get(kind, ("llm", "text generation"))
+    if entry.spec.type != want:
         raise errors.bad_request(
             f"model '{entry.name}' is of type '{entry.spec.type}' and cannot serve {what}",
             param,
@@ -70,8 +73,13 @@ def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Targ
     if entry is not None or policy is not None:
         g.model_label = model
     check_size(view.settings.server.max_request_bytes)
-    if policy is not None and kind is not Kind.EMBEDDING:
-        decision = routing.route(st, view.settings, policy, kind, body)
+    caller = auth.principal()
+    if policy is not None and kind not in _SERVED_BY:  # policies route llm requests only
+        if not caller.may_use_policy(model):
+            raise not_allowed(model)
+        decision = routing.route(
+            st, view.settings, policy, kind, body, user=caller.user, may_load=caller.may_load
+        )
         _view, entry, _ = st.lookup(decision.candidate)
         if entry is None:
             raise ApiError(
@@ -81,12 +89,28 @@ def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Targ
                 code="candidate_missing",
                 retry_after=5,
             )
+        if not caller.may_use_model(entry.name):
+            raise not_allowed(entry.name, via=model)
         _check_type(entry, kind)
         return Target(entry, view, routing.route_header(model, decision), decision.trace)
     if entry is None:
         raise errors.model_not_found(model)
+    if not caller.may_use_model(model):
+        raise not_allowed(model)
     _check_type(entry, kind)
     return Target(entry, view)
+
+
+def not_allowed(name: str, via: str | None = None) -> ApiError:
+    """403 for a model (or policy) outside the caller's API key scopes."""
+    how = f"policy '{via}' routed this request to '{name}', which" if via else f"'{name}'"
+    return ApiError(
+        403,
+        f"{how} is not among the models this API key may use",
+        type="permission_error",
+        param="model",
+        code="model_not_allowed",
+    )
 
 
 #: What llama.cpp generates for a completion that names no max_tokens (OpenAI's default for
@@ -99,7 +123,7 @@ def capped_params(kind: Kind, params: dict[str, Any], cap: int) -> dict[str, Any
     default its n_ctx): a larger value is clamped to it (OpenAI-style clients send large
     values), and a request without one gets the cap (a chat) or the completions default
     bounded by the cap, so every generation is bounded."""
-    if kind is Kind.EMBEDDING:
+    if kind in _SERVED_BY:  # nothing is generated
         return params
     asked = params.get("max_tokens")
     if asked is None:
@@ -143,8 +167,31 @@ def _client_gone() -> Callable[[], bool] | None:
     return lambda: _peer_closed(sock)
 
 
+def _quota(st: State, t: Target) -> None:
+    """Admit the request against its caller's quotas (429 ``quota_exceeded`` when over one);
+    the place in flight it takes is given back by ``_admitted`` when the request ends."""
+    srv = t.view.settings.server
+    ticket = quota.admit(
+        st.r,
+        st.scripts,
+        quota.principal(),
+        t.entry.name,
+        hold_s=srv.request_deadline_s or srv.request_timeout_s,
+        may_load=not t.entry.spec.remote,
+    )
+    if ticket is not None:
+        g.quota_ticket = ticket
+
+
+def _release_quota() -> None:
+    ticket = g.pop("quota_ticket", None)
+    if ticket is not None:
+        ticket.release(state().r)
+
+
 def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Call:
     srv, pool = t.view.settings.server, t.view.settings.pool
+    caller = quota.principal()
     return bus.submit(
         st.r,
         st.scripts,
@@ -157,6 +204,11 @@ def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Ca
         deadline_s=srv.request_deadline_s,
         client_gone=_client_gone(),
         keepalive_s=srv.sse_keepalive_s if v.stream else 0.0,
+        fair=pool.fair_queues,
+        user=caller.user,
+        key=caller.key_id or "",
+        may_load=caller.may_load,
+        weight=caller.weight,
     )
 
 
@@ -178,7 +230,7 @@ _DONE = "data: [DONE]\n\n"
 
 
 def _stream_response(
-    batches: Iterator[bus.Batch], model: str, on_abandon: Callable[[], None], t: Target
+    batches: Iterator[bus.Batch], model: str, on_abandon: Callable[[], None] | None, t: Target
 ) -> Response:
     # Pull the first batch before answering, so that an error that happens before any output
     # (queue full, load failed, timeout) reaches the client as a proper HTTP status — unless
@@ -222,7 +274,8 @@ def _stream_response(
                 close = getattr(batches, "close", None)
                 if close is not None:
                     close()
-                on_abandon()
+                if on_abandon is not None:
+                    on_abandon()
 
     return Response(events(), mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
 
@@ -246,11 +299,14 @@ class _Held:
     server closes the body when the client leaves, even one never iterated: a generator's
     ``finally`` would not run then)."""
 
-    def __init__(self, body: Iterable[Any], started: float) -> None:
+    def __init__(
+        self, body: Iterable[Any], started: float, release: Callable[[], None] | None = None
+    ) -> None:
         self._it = iter(body)
         self._body = body
         self._started = started
         self._released = False
+        self._release = release  # the request's place in its caller's quota, if it took one
 
     def __iter__(self) -> _Held:
         return self
@@ -266,6 +322,8 @@ class _Held:
         if not self._released:
             self._released = True
             admission.IN_FLIGHT.release(self._started)
+            if self._release is not None:
+                self._release()
         close = getattr(self._body, "close", None)
         if close is not None:
             close()
@@ -281,11 +339,16 @@ def _admitted(view: Callable[[], Any]) -> Any:
         resp = make_response(view())
     except BaseException:
         admission.IN_FLIGHT.release(started)
+        _release_quota()
         raise
     if resp.is_streamed:
-        resp.response = _Held(resp.response, started)
+        ticket = g.pop("quota_ticket", None)
+        r = state().r
+        release = None if ticket is None else (lambda: ticket.release(r))
+        resp.response = _Held(resp.response, started, release)
     else:
         admission.IN_FLIGHT.release(started)
+        _release_quota()
     return resp
 
 
@@ -300,26 +363,71 @@ def _generate_admitted(
 ) -> Any:
     body = read_json()
     want_trace = _route_trace_wanted(body)
+    if want_trace and not auth.principal().route_trace:
+        raise ApiError(
+            403,
+            "'route_trace' is not allowed for this API key (it needs the route_trace scope)",
+            type="permission_error",
+            param="route_trace",
+            code="route_trace_not_allowed",
+        )
     v = validate(body)
-    st = state()
-    t = _resolve(st, v.model, kind, body)
+    d = dispatch(kind, path, v, body)
+    t = d.target
     if not want_trace:
         t.trace = None
-    name = t.entry.name
-    if t.entry.spec.remote:
-        fwd = remote.forward(name, t.entry.spec, path, body, t.view.settings.server)
-        if v.stream:
-            batches = (bus.Batch([e]) for e in fwd.events())
-            return _stream_response(batches, name, fwd.close, t)
-        out = _named(fwd.json(), name)
-    else:
-        call = _submit(st, kind, v, t)
-        if v.stream:
-            return _stream_response(call.batches(), name, call.abandon, t)
-        out = _named(call.result(), name)
+    if d.batches is not None:
+        return _stream_response(d.batches, t.entry.name, d.abandon, t)
+    assert d.result is not None
+    out = d.result
     if t.trace is not None:
         out["route_trace"] = t.trace
     return jsonify(out), 200, _headers(t)
+
+
+@dataclass
+class Dispatched:
+    """A generation request admitted and sent on (``dispatch``): a stream's batches and how
+    to stop it, or a whole answer (named for the model that served it)."""
+
+    target: Target
+    result: dict[str, Any] | None = None
+    batches: Iterator[bus.Batch] | None = None
+    abandon: Callable[[], None] | None = None
+
+
+def dispatch(
+    kind: Kind,
+    path: str,
+    v: validation.Validated,
+    body: Mapping[str, Any],
+    *,
+    submit_as: Kind | None = None,
+) -> Dispatched:
+    """Resolve ``v``'s model (a policy routes it; the key's scopes apply), admit it against
+    its caller's quotas and send it on: to its remote upstream (``body``, at ``path``) or to
+    its model's queue (as ``submit_as``, default ``kind``), then wait for a whole answer. The
+    pipeline every generation API shares (chat, completions, Anthropic's messages); run it
+    inside ``_admitted``, which gives back what it holds."""
+    st = state()
+    t = _resolve(st, v.model, kind, body)
+    name = t.entry.name
+    if t.entry.spec.remote and submit_as not in (None, kind):
+        raise errors.bad_request(
+            f"model '{name}' is served by a remote upstream: this request needs a local model",
+            "model",
+            "unsupported",
+        )
+    _quota(st, t)
+    if t.entry.spec.remote:
+        fwd = remote.forward(name, t.entry.spec, path, body, t.view.settings.server)
+        if v.stream:
+            return Dispatched(t, batches=(bus.Batch([e]) for e in fwd.events()), abandon=fwd.close)
+        return Dispatched(t, result=_named(fwd.json(), name))
+    call = _submit(st, submit_as or kind, v, t)
+    if v.stream:
+        return Dispatched(t, batches=call.batches(), abandon=call.abandon)
+    return Dispatched(t, result=_named(call.result(), name))
 
 
 @bp.post("/chat/completions")
@@ -347,6 +455,7 @@ def _embeddings() -> Any:
     v = validation.validate_embedding(body)
     st = state()
     t = _resolve(st, v.model, Kind.EMBEDDING, body)
+    _quota(st, t)
     if t.entry.spec.remote:
         out = _named(
             remote.forward(
@@ -388,10 +497,19 @@ def _states(r: redis.Redis, names: list[str]) -> list[str | None]:
 @bp.get("/models")
 def list_models() -> Any:
     st = state()
-    entries = sorted(all_entries(st.r).values(), key=lambda e: e.name)
+    caller = auth.principal()
+    # A key sees the models and policies it may use.
+    entries = sorted(
+        (e for e in all_entries(st.r).values() if caller.may_use_model(e.name)),
+        key=lambda e: e.name,
+    )
     states = _states(st.r, [e.name for e in entries])
     data = [_model_object(e, s) for e, s in zip(entries, states, strict=True)]
-    data += [_policy_object(p) for _, p in sorted(policy_store.all_entries(st.r).items())]
+    data += [
+        _policy_object(p)
+        for n, p in sorted(policy_store.all_entries(st.r).items())
+        if caller.may_use_policy(n)
+    ]
     return jsonify({"object": "list", "data": data})
 
 
@@ -412,8 +530,13 @@ def _policy_object(p: PolicyEntry) -> dict[str, Any]:
 def get_model(model_id: str) -> Any:
     st = state()
     _view, entry, policy = st.lookup(model_id)
+    caller = auth.principal()
     if policy is not None:
+        if not caller.may_use_policy(model_id):
+            raise not_allowed(model_id)
         return jsonify(_policy_object(policy))
     if entry is None:
         raise errors.model_not_found(model_id)
+    if not caller.may_use_model(model_id):
+        raise not_allowed(model_id)
     return jsonify(_model_object(entry, _states(st.r, [model_id])[0]))

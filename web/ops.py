@@ -102,5 +102,6 @@ def metrics() -> Any:
         MultiProcessCollector(reg)
     else:
         reg.register(_Forward(REGISTRY))
-    reg.register(RedisCollector(state().r))
+    st = state()
+    reg.register(RedisCollector(st.r, per_user=st.refresh().settings.metrics.per_user))
     return Response(generate_latest(reg), mimetype=None, content_type=CONTENT_TYPE_LATEST)

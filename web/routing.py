@@ -41,9 +41,18 @@ SWITCHES = Counter(
 
 
 def call_helper(
-    st: State, s: Settings, model: str, messages: list[dict[str, str]], max_tokens: int
+    st: State,
+    s: Settings,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    *,
+    user: str = "",
+    may_load: bool = True,
 ) -> str:
-    """Ask a routing helper (a local LLM in the helper pool) and return its reply text."""
+    """Ask a routing helper (a local LLM in the helper pool) and return its reply text. The
+    call is the request's caller's: counted as its ``user``, and without ``may_load`` it never
+    loads a helper that is not resident (the routing then falls back as for any failure)."""
     call = bus.submit(
         st.r,
         st.scripts,
@@ -58,6 +67,9 @@ def call_helper(
         stream=False,
         bound=s.pool.max_queue_per_model,
         timeout_s=min(HELPER_TIMEOUT_S, s.server.request_timeout_s),
+        fair=s.pool.fair_queues,
+        user=user,
+        may_load=may_load,
     )
     out = call.result()
     return str(out["choices"][0]["message"].get("content") or "")
@@ -70,7 +82,14 @@ def routing_input(kind: Kind, body: Mapping[str, Any]) -> policies.RoutingInput:
 
 
 def decide(
-    st: State, s: Settings, name: str, policy: policies.Policy, inp: policies.RoutingInput
+    st: State,
+    s: Settings,
+    name: str,
+    policy: policies.Policy,
+    inp: policies.RoutingInput,
+    *,
+    user: str = "",
+    may_load: bool = True,
 ) -> policies.Decision:
     """The candidate for this request. A failing helper never fails the request: the router
     falls back to the default, and a failing classifier leaf counts as no match."""
@@ -78,7 +97,13 @@ def decide(
         router = policy.router
         try:
             reply = call_helper(
-                st, s, router.model, policies.router_messages(name, policy, inp), router.max_tokens
+                st,
+                s,
+                router.model,
+                policies.router_messages(name, policy, inp),
+                router.max_tokens,
+                user=user,
+                may_load=may_load,
             )
         except ApiError as e:
             return policies.router_decision(name, policy, None, error=e.message)
@@ -86,7 +111,8 @@ def decide(
 
     def classify(clf_id: str, text: str) -> Mapping[str, float]:
         clf = policy.classifiers[clf_id]
-        reply = call_helper(st, s, clf.model, policies.classifier_messages(clf_id, clf, text), 256)
+        messages = policies.classifier_messages(clf_id, clf, text)
+        reply = call_helper(st, s, clf.model, messages, 256, user=user, may_load=may_load)
         return policies.parse_classifier_reply(clf, reply)
 
     return policies.evaluate(name, policy, inp, classify)
@@ -119,14 +145,23 @@ def record(st: State, policy: str, decision: policies.Decision, body: Mapping[st
 
 
 def route(
-    st: State, s: Settings, entry: PolicyEntry, kind: Kind, body: Mapping[str, Any]
+    st: State,
+    s: Settings,
+    entry: PolicyEntry,
+    kind: Kind,
+    body: Mapping[str, Any],
+    *,
+    user: str = "",
+    may_load: bool = True,
 ) -> policies.Decision:
     try:
         policy = policies.Policy.model_validate(entry.spec)
     except ValueError as e:
         log.error("policy %s does not parse: %s", entry.name, e)
         raise ApiError(500, f"policy '{entry.name}' is invalid", type="server_error") from e
-    decision = decide(st, s, entry.name, policy, routing_input(kind, body))
+    decision = decide(
+        st, s, entry.name, policy, routing_input(kind, body), user=user, may_load=may_load
+    )
     record(st, entry.name, decision, body)
     return decision
 

@@ -8,6 +8,7 @@ worker aggregates them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
@@ -111,6 +112,9 @@ def options(
 
 def run(box: Box, host: str, port: int, *, access_log: bool = False) -> None:
     """Serve until SIGTERM/SIGINT (blocks)."""
+    # The workers' settings name the address actually bound (``--host`` may differ from the
+    # config): ``[auth] required = null`` requires keys whenever it is not a loopback one.
+    box = dataclasses.replace(box, environ={**box.environ, "RESIDENCY_SERVER_HOST": host})
     srv = box.base_settings().server
     opts = options(
         host,

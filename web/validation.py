@@ -7,8 +7,9 @@ a 400 ``ApiError`` whose ``param`` names the field, e.g. ``messages[1].content``
 
 Only what the client sent is passed on (no defaults are injected): llama-cpp-python's own
 defaults apply otherwise. OpenAI fields that have no meaning here (``user``, ``metadata``,
-``stream_options``, ``parallel_tool_calls``, ``store``…) are accepted and ignored, because the
-official clients send some of them on every call.
+``parallel_tool_calls``, ``store``…) are accepted and ignored, because the official clients
+send some of them on every call. ``stream_options`` travels in the params to the model
+process, which takes it out before generating (it writes the usage chunk).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from residency.errors import ApiError, bad_request
+from web.grammar_schema import unsupported
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -57,8 +59,9 @@ MAX_INT32 = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
 _MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call")
 
-# Sampling parameters shared by chat and completions: name -> (lo, hi, integer).
-_SAMPLING: dict[str, tuple[float, float, bool]] = {
+# Sampling parameters shared by chat and completions: name -> (lo, hi, integer). The OpenAPI
+# document (web.openapi) takes its bounds from here.
+SAMPLING: dict[str, tuple[float, float, bool]] = {
     "temperature": (0.0, 2.0, False),
     "top_p": (0.0, 1.0, False),
     "min_p": (0.0, 1.0, False),
@@ -79,7 +82,8 @@ class Validated:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
+    """The JSON type of a parsed value, as an error message names it."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -104,10 +108,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _wrong_type(param: str, expected: str, got: Any) -> ApiError:
-    return bad_request(
-        f"'{param}' must be {expected}, got {_type_name(got)}", param, "invalid_type"
-    )
+def wrong_type(param: str, expected: str, got: Any) -> ApiError:
+    return bad_request(f"'{param}' must be {expected}, got {type_name(got)}", param, "invalid_type")
 
 
 def _max_items(param: str, items: list[Any], cap: int) -> None:
@@ -161,6 +163,21 @@ def check_schema(param: str, schema: dict[str, Any]) -> None:
                 stack.append((here, v))
 
 
+def check_enforceable(param: str, schema: dict[str, Any]) -> None:
+    """400 naming the first part of a JSON schema the sampling grammar would not enforce
+    (``web.grammar_schema``): a request is refused rather than answered unconstrained."""
+    err = unsupported(schema, param)
+    if err is not None:
+        raise bad_request(
+            f"'{err.path}': {err.feature}; the schema is enforced by a grammar, which supports "
+            "types, properties/required/additionalProperties, items/prefixItems/minItems/"
+            "maxItems, enum, const, anyOf/oneOf, allOf of objects, local $ref, minLength/"
+            "maxLength, anchored patterns and formats date, time, date-time and uuid",
+            err.path,
+            "unsupported_schema",
+        )
+
+
 def _too_many_repeats(param: str, n: Any) -> ApiError:
     return bad_request(
         f"'{param}' asks for {n} repetitions; at most {MAX_SCHEMA_REPEAT} are supported "
@@ -175,27 +192,43 @@ def _model(body: Mapping[str, Any]) -> str:
         raise bad_request("you must provide a model parameter", "model", "missing_required")
     m = body["model"]
     if not isinstance(m, str):
-        raise _wrong_type("model", "a string", m)
+        raise wrong_type("model", "a string", m)
     if not m.strip():
         raise bad_request("'model' must not be empty", "model")
     return m
 
 
-def _stream(body: Mapping[str, Any]) -> bool:
+def _stream(body: Mapping[str, Any], params: dict[str, Any] | None = None) -> bool:
+    """Whether the client asked for a stream; with ``params``, its ``stream_options`` go there
+    (only ``include_usage`` means something: a last chunk with the usage)."""
     s = body.get("stream")
     if s is None:
-        return False
+        s = False
     if not isinstance(s, bool):
-        raise _wrong_type("stream", "a boolean", s)
+        raise wrong_type("stream", "a boolean", s)
+    opts = body.get("stream_options")
+    if opts is None or params is None:
+        return s
+    if not isinstance(opts, dict):
+        raise wrong_type("stream_options", "an object", opts)
+    if not s:
+        raise bad_request(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options"
+        )
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise wrong_type("stream_options.include_usage", "a boolean", usage)
+    if usage:
+        params["stream_options"] = {"include_usage": True}
     return s
 
 
 def _number(body: Mapping[str, Any], key: str, lo: float, hi: float, integer: bool) -> Any:
     v = body[key]
     if integer and not _is_int(v):
-        raise _wrong_type(key, "an integer", v)
+        raise wrong_type(key, "an integer", v)
     if not _is_number(v):
-        raise _wrong_type(key, "a number", v)
+        raise wrong_type(key, "a number", v)
     if not lo <= v <= hi:
         bounds = f">= {lo:g}" if hi >= 1e9 else f"between {lo:g} and {hi:g}"
         raise bad_request(f"'{key}' must be {bounds}, got {v}", key, "invalid_value")
@@ -207,7 +240,7 @@ def _n(body: Mapping[str, Any]) -> None:
     if n is None:
         return
     if not _is_int(n):
-        raise _wrong_type("n", "an integer", n)
+        raise wrong_type("n", "an integer", n)
     if n != 1:
         raise bad_request(f"'n' must be 1 (only one choice per request), got {n}", "n")
 
@@ -220,7 +253,7 @@ def _max_tokens(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         if v is None:
             continue
         if not _is_int(v):
-            raise _wrong_type(key, "an integer", v)
+            raise wrong_type(key, "an integer", v)
         if not 1 <= v <= MAX_INT32:
             raise bad_request(
                 f"'{key}' must be between 1 and {MAX_INT32}, got {v}", key, "invalid_value"
@@ -244,11 +277,11 @@ def _stop(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         params["stop"] = [stop]
         return
     if not isinstance(stop, list):
-        raise _wrong_type("stop", "a string or an array of strings", stop)
+        raise wrong_type("stop", "a string or an array of strings", stop)
     _max_items("stop", stop, MAX_STOP)
     for i, s in enumerate(stop):
         if not isinstance(s, str):
-            raise _wrong_type(f"stop[{i}]", "a string", s)
+            raise wrong_type(f"stop[{i}]", "a string", s)
         _max_chars(f"stop[{i}]", s, MAX_STOP_CHARS)
     params["stop"] = list(stop)
 
@@ -258,7 +291,7 @@ def _seed(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     if seed is None:
         return
     if not _is_int(seed):
-        raise _wrong_type("seed", "an integer", seed)
+        raise wrong_type("seed", "an integer", seed)
     lo, hi = INT64
     if not lo <= seed <= hi:
         raise bad_request(f"'seed' must be a 64-bit integer, got {seed}", "seed", "invalid_value")
@@ -270,7 +303,7 @@ def _logit_bias(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     if lb is None:
         return
     if not isinstance(lb, dict):
-        raise _wrong_type("logit_bias", "an object of token id -> bias", lb)
+        raise wrong_type("logit_bias", "an object of token id -> bias", lb)
     if len(lb) > MAX_LOGIT_BIAS:
         raise bad_request(
             f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}",
@@ -291,7 +324,7 @@ def _logit_bias(body: Mapping[str, Any], params: dict[str, Any]) -> None:
 
 
 def _sampling(body: Mapping[str, Any], params: dict[str, Any]) -> None:
-    for key, (lo, hi, integer) in _SAMPLING.items():
+    for key, (lo, hi, integer) in SAMPLING.items():
         if body.get(key) is not None:
             params[key] = _number(body, key, lo, hi, integer)
     _max_tokens(body, params)
@@ -312,17 +345,17 @@ def _content_parts(parts: list[Any], param: str) -> str | list[dict[str, Any]]:
     for j, part in enumerate(parts):
         pp = f"{param}[{j}]"
         if not isinstance(part, dict):
-            raise _wrong_type(pp, "an object", part)
+            raise wrong_type(pp, "an object", part)
         kind = part.get("type")
         if kind == "text":
             if not isinstance(part.get("text"), str):
-                raise _wrong_type(f"{pp}.text", "a string", part.get("text"))
+                raise wrong_type(f"{pp}.text", "a string", part.get("text"))
             texts.append(part["text"])
         elif kind == "image_url":
             iu = part.get("image_url")
             url = iu.get("url") if isinstance(iu, dict) else iu
             if not isinstance(url, str):
-                raise _wrong_type(f"{pp}.image_url.url", "a string", url)
+                raise wrong_type(f"{pp}.image_url.url", "a string", url)
         else:
             raise bad_request(
                 f"'{pp}.type' must be 'text' or 'image_url', got {kind!r}", f"{pp}.type"
@@ -335,7 +368,7 @@ def _content_parts(parts: list[Any], param: str) -> str | list[dict[str, Any]]:
 def _message(i: int, m: Any) -> dict[str, Any]:
     p = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise _wrong_type(p, "an object", m)
+        raise wrong_type(p, "an object", m)
     role = m.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise bad_request(
@@ -350,14 +383,14 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     elif isinstance(content, list):
         content = _content_parts(content, f"{p}.content")
     elif not isinstance(content, str):
-        raise _wrong_type(f"{p}.content", "a string or an array of content parts", content)
+        raise wrong_type(f"{p}.content", "a string or an array of content parts", content)
     out["content"] = content
     if m.get("name") is not None and not isinstance(m["name"], str):
-        raise _wrong_type(f"{p}.name", "a string", m["name"])
+        raise wrong_type(f"{p}.name", "a string", m["name"])
     if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
-        raise _wrong_type(f"{p}.tool_calls", "an array", m["tool_calls"])
+        raise wrong_type(f"{p}.tool_calls", "an array", m["tool_calls"])
     if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
-        raise _wrong_type(f"{p}.tool_call_id", "a string", m["tool_call_id"])
+        raise wrong_type(f"{p}.tool_call_id", "a string", m["tool_call_id"])
     for key in _MESSAGE_KEYS:
         if m.get(key) is not None:
             out[key] = m[key]
@@ -368,7 +401,7 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise _wrong_type("tools", "an array", tools)
+            raise wrong_type("tools", "an array", tools)
         _max_items("tools", tools, MAX_TOOLS)
         for i, t in enumerate(tools):
             p = f"tools[{i}]"
@@ -380,7 +413,7 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
             schema = fn.get("parameters")
             if schema is not None:
                 if not isinstance(schema, dict):
-                    raise _wrong_type(f"{p}.function.parameters", "an object", schema)
+                    raise wrong_type(f"{p}.function.parameters", "an object", schema)
                 check_schema(f"{p}.function.parameters", schema)
         if tools:
             params["tools"] = tools
@@ -397,14 +430,25 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         fn = choice.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request("'tool_choice.function.name' must be a string", "tool_choice")
-        names = {t["function"]["name"] for t in params.get("tools", [])}
+        names = [t["function"]["name"] for t in params.get("tools", [])]
         if fn["name"] not in names:
             raise bad_request(
                 f"'tool_choice' names {fn['name']!r}, which is not in 'tools'", "tool_choice"
             )
+        _enforced_parameters(params["tools"], names.index(fn["name"]))
     else:
-        raise _wrong_type("tool_choice", "a string or an object", choice)
+        raise wrong_type("tool_choice", "a string or an object", choice)
+    if choice == "required":
+        for i in range(len(params.get("tools", []))):
+            _enforced_parameters(params["tools"], i)
     params["tool_choice"] = choice
+
+
+def _enforced_parameters(tools: list[dict[str, Any]], i: int) -> None:
+    """A tool the answer is forced to call has its parameters enforced by a grammar."""
+    schema = tools[i]["function"].get("parameters")
+    if schema is not None:
+        check_enforceable(f"tools[{i}].function.parameters", schema)
 
 
 def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
@@ -414,7 +458,7 @@ def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     if rf is None:
         return
     if not isinstance(rf, dict):
-        raise _wrong_type("response_format", "an object", rf)
+        raise wrong_type("response_format", "an object", rf)
     kind = rf.get("type")
     if kind == "text":
         return
@@ -422,8 +466,9 @@ def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
         out: dict[str, Any] = {"type": "json_object"}
         if rf.get("schema") is not None:
             if not isinstance(rf["schema"], dict):
-                raise _wrong_type("response_format.schema", "an object", rf["schema"])
+                raise wrong_type("response_format.schema", "an object", rf["schema"])
             check_schema("response_format.schema", rf["schema"])
+            check_enforceable("response_format.schema", rf["schema"])
             out["schema"] = rf["schema"]
         params["response_format"] = out
         return
@@ -435,6 +480,7 @@ def _response_format(body: Mapping[str, Any], params: dict[str, Any]) -> None:
                 "response_format.json_schema.schema",
             )
         check_schema("response_format.json_schema.schema", js["schema"])
+        check_enforceable("response_format.json_schema.schema", js["schema"])
         params["response_format"] = {"type": "json_object", "schema": js["schema"]}
         return
     raise bad_request(
@@ -447,7 +493,7 @@ def _logprobs_chat(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     lp = body.get("logprobs")
     if lp is not None:
         if not isinstance(lp, bool):
-            raise _wrong_type("logprobs", "a boolean", lp)
+            raise wrong_type("logprobs", "a boolean", lp)
         params["logprobs"] = lp
     if body.get("top_logprobs") is not None:
         params["top_logprobs"] = _number(body, "top_logprobs", 0, 20, True)
@@ -459,7 +505,7 @@ def validate_chat(body: Mapping[str, Any]) -> Validated:
     if msgs is None:
         raise bad_request("'messages' is required", "messages", "missing_required")
     if not isinstance(msgs, list):
-        raise _wrong_type("messages", "an array", msgs)
+        raise wrong_type("messages", "an array", msgs)
     if not msgs:
         raise bad_request("'messages' must hold at least one message", "messages")
     _max_items("messages", msgs, MAX_MESSAGES)
@@ -469,7 +515,7 @@ def validate_chat(body: Mapping[str, Any]) -> Validated:
     _tools(body, params)
     _response_format(body, params)
     _logprobs_chat(body, params)
-    return Validated(model, params, _stream(body))
+    return Validated(model, params, _stream(body, params))
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -490,7 +536,7 @@ def validate_completion(body: Mapping[str, Any]) -> Validated:
             )
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise _wrong_type("prompt", "a string", prompt)
+        raise wrong_type("prompt", "a string", prompt)
     params: dict[str, Any] = {"prompt": prompt}
     _n(body)
     if body.get("best_of") not in (None, 1):
@@ -498,17 +544,17 @@ def validate_completion(body: Mapping[str, Any]) -> Validated:
     suffix = body.get("suffix")
     if suffix is not None:
         if not isinstance(suffix, str):
-            raise _wrong_type("suffix", "a string", suffix)
+            raise wrong_type("suffix", "a string", suffix)
         params["suffix"] = suffix
     echo = body.get("echo")
     if echo is not None:
         if not isinstance(echo, bool):
-            raise _wrong_type("echo", "a boolean", echo)
+            raise wrong_type("echo", "a boolean", echo)
         params["echo"] = echo
     if body.get("logprobs") is not None:
         params["logprobs"] = _number(body, "logprobs", 0, 5, True)
     _sampling(body, params)
-    return Validated(model, params, _stream(body))
+    return Validated(model, params, _stream(body, params))
 
 
 # --- embeddings -----------------------------------------------------------------------------
@@ -521,7 +567,7 @@ def validate_embedding(body: Mapping[str, Any]) -> Validated:
         raise bad_request("'input' is required", "input", "missing_required")
     items = [inp] if isinstance(inp, str) else inp
     if not isinstance(items, list):
-        raise _wrong_type("input", "a string or an array of strings", inp)
+        raise wrong_type("input", "a string or an array of strings", inp)
     if not items:
         raise bad_request("'input' must not be empty", "input")
     _max_items("input", items, MAX_EMBEDDING_INPUTS)
@@ -534,7 +580,7 @@ def validate_embedding(body: Mapping[str, Any]) -> Validated:
                 "unsupported",
             )
         if not isinstance(s, str):
-            raise _wrong_type(p, "a string", s)
+            raise wrong_type(p, "a string", s)
         if not s:
             raise bad_request(f"'{p}' must not be an empty string", p)
     fmt = body.get("encoding_format")

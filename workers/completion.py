@@ -13,6 +13,7 @@ per generated token and may raise to end the generation.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,8 +26,22 @@ from workers.engine import End, Engine, Job, Sampling, Token
 from workers.textout import TextOut
 
 OnStep = Callable[[], None]
-#: Told the prompt and completion tokens of a generation when it ends (however it ends).
-OnUsage = Callable[[int, int], None]
+#: Told the prompt, completion and cached prompt tokens of a generation when it ends (however
+#: it ends).
+OnUsage = Callable[[int, int, int], None]
+
+
+class Report(threading.local):
+    """What the latest generation of this thread knows beyond OpenAI's fields, for a caller
+    that asked (the Anthropic API): its prompt's tokens, set when it is submitted (before its
+    first chunk), and the stop string that ended it (None: it ended otherwise). Per thread: a
+    request is served, chat handler included, in one thread."""
+
+    prompt_tokens: int | None = None
+    stop_sequence: str | None = None
+
+
+REPORT = Report()
 
 
 class Pieces:
@@ -95,13 +110,14 @@ class Completion:
                     self.on_step()
                 if self.out.add(self.pieces(item.id)):
                     self.finish = "stop"
+                    REPORT.stop_sequence = self.out.matched
                     return
                 self.tokens.append(item)
                 yield item
         finally:
             self.job.cancel()
             if self.on_usage is not None:
-                self.on_usage(len(self.job.prompt), len(self.tokens))
+                self.on_usage(len(self.job.prompt), len(self.tokens), self.job.cached)
 
     def _logprobs(self, toks: list[Token], offset: int) -> dict[str, Any] | None:
         if self.job.n_probs is None:
@@ -225,6 +241,7 @@ def create(
             code="unsupported",
         )
     tokens, fim = _prompt_tokens(llm, prompt, suffix, pieces.fim)
+    REPORT.prompt_tokens, REPORT.stop_sequence = len(tokens), None
     room = engine.n_ctx_slot - len(tokens)
     if max_tokens is None or max_tokens <= 0 or max_tokens > room:
         max_tokens = room
@@ -252,3 +269,18 @@ def create(
         on_usage=on_usage,
     )
     return c.chunks() if stream else c.answer()
+
+
+def counted(llm: Any, prompt: str | list[int], model: str | None = None) -> dict[str, Any]:
+    """A completion of nothing, in ``create``'s shape, whose usage counts ``prompt``'s tokens:
+    what a chat handler gets back when the request only counts its prompt (``Kind.TOKENIZE``).
+    Nothing is submitted to the engine."""
+    n = len(_prompt_tokens(llm, prompt, None, None)[0])
+    return {
+        "id": f"cmpl-{uuid.uuid4()}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model or llm.model_path,
+        "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n},
+    }

@@ -124,5 +124,13 @@ class FaultyRuntime:
         self._hold(None)
         return self.inner.embed(inputs)
 
+    def rerank(self, query: str, documents: list[str]) -> dict[str, Any]:
+        self._hold(None)
+        return self.inner.rerank(query, documents)
+
+    def count_tokens(self, params: dict[str, Any]) -> dict[str, Any]:
+        self._hold(None)
+        return self.inner.count_tokens(params)
+
     def close(self) -> None:
         self.inner.close()

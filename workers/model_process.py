@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
@@ -25,11 +25,11 @@ from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
 from residency.lua import Scripts
-from residency.messages import Event, EventType, Kind, ReplyType, Request
+from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
 from residency.settings import ModelSpec
 from residency.states import ModelState
 from residency.work import add_reply
-from workers.completion import OnUsage
+from workers.completion import REPORT, OnUsage
 from workers.faults import FaultyRuntime
 from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.runtime import LlamaRuntime, Runtime
@@ -126,6 +126,11 @@ class ModelProcess:
         # with the state: a stop unblocks it from inside, an eviction from the coordinator.
         self.waker = Waker(self.r, self.stop)
         reader = self.retrying("open the queue connection", self.waker.client_id)
+        # Who caused this load (recorded when it started): its time is charged to them.
+        cause_user, cause_key = self.retrying(
+            "read who caused the load",
+            lambda: self.r.hmget(keys.model(self.model), ["load_user", "load_key"]),
+        )
         ok, res = self.retrying(
             "commit the load",
             lambda: self.scripts.commit_load(
@@ -133,6 +138,10 @@ class ModelProcess:
                 token=self.token,
                 limits_generation=self.limits_generation,
                 ready_event=self._event(EventType.READY),
+                load_seconds=seconds,
+                charge_user=str(cause_user or ""),
+                charge_key=str(cause_key or ""),
+                now=now,
                 fields={
                     "pid": os.getpid(),
                     "parallel": self.parallel,
@@ -300,7 +309,8 @@ class ModelProcess:
             return
         last: tuple[str, dict[str, Any]] | None = None
         tail: list[dict[str, Any]] = []  # a stream's last chunks, written with its last reply
-        usage: list[int] = []  # prompt and completion tokens, summed over its generations
+        # Prompt, completion and cached prompt tokens, summed over its generations.
+        usage: list[int] = []
         served: float | None = None  # seconds it held its slot, when it generated to the end
         # A stream stopped at shutdown goes on (its loop answers shutting_down once it has
         # output); a non-stream one is left on the processing list for the agent to requeue.
@@ -361,6 +371,7 @@ class ModelProcess:
                 chunks=tail if last is not None else None,
                 service_s=service_s,
                 user=req.user,
+                key=req.key,
                 usage=(usage[0], usage[1]) if usage else None,
             ),
         )
@@ -387,22 +398,42 @@ class ModelProcess:
         """Run the request; returns its last reply message (None when its client cancelled).
         ``gate.step`` runs on every generated token and raises ``Stopped`` to end it. A
         stream's chunks not written yet when it ends go to ``tail`` (see ``stream``); the
-        tokens it used are added to ``usage`` (prompt, completion) as they become known."""
-        on_usage = _adder(usage) if usage is not None else None
+        tokens it used are added to ``usage`` (prompt, completion, cached) as they become
+        known."""
+        if usage is None:
+            usage = []
+        on_usage = _adder(usage)
         if req.kind is Kind.EMBEDDING:
             out = self.runtime.embed(list(req.params["input"]))
             out["model"] = self.model
-            if on_usage is not None and isinstance(out.get("usage"), dict):
-                on_usage(int(out["usage"].get("prompt_tokens", 0)), 0)
+            if isinstance(out.get("usage"), dict):
+                on_usage(int(out["usage"].get("prompt_tokens", 0)), 0, 0)
             return ReplyType.DONE, out
+        if req.kind is Kind.RERANK:
+            out = self.runtime.rerank(str(req.params["query"]), list(req.params["documents"]))
+            out["model"] = self.model
+            on_usage(int(out["usage"]["prompt_tokens"]), 0, 0)
+            return ReplyType.DONE, out
+        if req.kind is Kind.TOKENIZE:
+            return ReplyType.DONE, self.runtime.count_tokens(dict(req.params))
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
         step = gate.step if gate is not None else None
-        result = call(req.params, req.stream, step, on_usage)
+        # Ours, not llama.cpp's: the usage chunk is written here, from what the engine counted.
+        params = dict(req.params)
+        opts = params.pop("stream_options", None) or {}
+        report = bool(params.pop(REPORT_PARAM, False))
+        result = call(params, req.stream, step, on_usage)
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
+            if report:
+                _stop_sequence(result)
             return ReplyType.DONE, result
         assert not isinstance(result, dict)
+        if report:
+            result = _reported(result)
+        if opts.get("include_usage"):
+            result = _with_usage(result, usage, self.model)
         return self.stream(req, result, gate, tail)
 
     def stream(
@@ -486,16 +517,77 @@ class ModelProcess:
 
 
 def _adder(total: list[int]) -> OnUsage:
-    """Adds each generation's (prompt, completion) tokens to ``total`` (a chat handler may run
-    more than one generation for a request)."""
+    """Adds each generation's (prompt, completion, cached) tokens to ``total`` (a chat handler
+    may run more than one generation for a request)."""
 
-    def add(prompt: int, completion: int) -> None:
+    def add(prompt: int, completion: int, cached: int) -> None:
         if not total:
-            total.extend((0, 0))
+            total.extend((0, 0, 0))
         total[0] += prompt
         total[1] += completion
+        total[2] += cached
 
     return add
+
+
+def _with_usage(
+    chunks: Iterable[dict[str, Any]], usage: list[int], model: str
+) -> Iterator[dict[str, Any]]:
+    """``stream_options.include_usage``: every chunk carries ``usage: null`` and, after the
+    last, one more with no choices and the request's usage (OpenAI's shape). The engine has
+    counted the tokens by the time the chunks end."""
+    last: dict[str, Any] | None = None
+    it = iter(chunks)
+    try:
+        for chunk in it:
+            chunk.setdefault("usage", None)
+            last = chunk
+            yield chunk
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    prompt, completion, cached = usage if usage else (0, 0, 0)
+    yield {
+        "id": last["id"] if last else "",
+        "object": last["object"] if last else "chat.completion.chunk",
+        "created": last["created"] if last else int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        },
+    }
+
+
+def _stop_sequence(obj: dict[str, Any]) -> None:
+    """Name the stop string that ended the generation in the choice that stopped (REPORT is
+    this thread's: the generation ran, or is running, in it)."""
+    for choice in obj.get("choices") or []:
+        if choice.get("finish_reason") == "stop":
+            choice["stop_sequence"] = REPORT.stop_sequence
+
+
+def _reported(chunks: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """A stream with ``REPORT_PARAM``'s fields: the prompt's tokens in its first chunk (known
+    once the generation was submitted, which was before the first chunk), the stop string in
+    the chunk that ends it."""
+    it = iter(chunks)
+    first = True
+    try:
+        for chunk in it:
+            if first:
+                chunk["prompt_tokens"] = REPORT.prompt_tokens
+                first = False
+            _stop_sequence(chunk)
+            yield chunk
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import random
 import re
 import threading
@@ -17,7 +18,7 @@ import numpy as np
 
 from residency.errors import ApiError
 from residency.settings import ModelSpec
-from workers import completion, devices
+from workers import chat_tools, completion, devices, rerank, toolcalls
 from workers.completion import OnUsage, Pieces
 from workers.engine import Backend, Engine, Sampling
 
@@ -54,6 +55,12 @@ class Runtime(Protocol):
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def embed(self, inputs: list[str]) -> dict[str, Any]: ...
+
+    def rerank(self, query: str, documents: list[str]) -> dict[str, Any]:
+        """``{"scores": [one per document, in order], "usage": {...}}``."""
+        ...
+
+    def count_tokens(self, params: dict[str, Any]) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -142,6 +149,8 @@ def _batched_llama() -> Any:
 
         def create_completion(self, prompt: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             assert self.engine is not None and self.pieces is not None
+            if getattr(_serving, "count_only", False):
+                return completion.counted(self, prompt, kwargs.get("model"))
             on_step = getattr(_serving, "on_step", None)
             on_usage = getattr(_serving, "on_usage", None)
             return completion.create(
@@ -249,6 +258,38 @@ class LlamaBackend:
         self._batch.close()
 
 
+def _pair_format(llm: Any) -> rerank.PairFormat:
+    """How the loaded reranker's pairs are laid out: its rerank template, or the tokens its
+    vocabulary adds (llama.cpp's server reads the same)."""
+    import llama_cpp
+
+    raw = llama_cpp.llama_model_chat_template(llm._model.model, b"rerank")
+    if raw:
+        return rerank.PairFormat(template=raw.decode("utf-8"))
+    vocab = llm._model.vocab
+    eos = llama_cpp.llama_vocab_eos(vocab)
+    if eos == llama_cpp.LLAMA_TOKEN_NULL:
+        eos = llama_cpp.llama_vocab_sep(vocab)
+    return rerank.PairFormat(
+        bos=llama_cpp.llama_vocab_bos(vocab) if llama_cpp.llama_vocab_get_add_bos(vocab) else None,
+        eos=eos if llama_cpp.llama_vocab_get_add_eos(vocab) else None,
+        sep=llama_cpp.llama_vocab_sep(vocab) if llama_cpp.llama_vocab_get_add_sep(vocab) else None,
+    )
+
+
+def _templates(llm: Any) -> dict[str, str]:
+    """The GGUF's chat templates under the handler names llama-cpp-python gives them."""
+    meta: dict[str, str] = dict(getattr(llm, "metadata", {}) or {})
+    out = {
+        k.removeprefix("tokenizer."): v
+        for k, v in meta.items()
+        if k.startswith("tokenizer.chat_template.")
+    }
+    if "tokenizer.chat_template" in meta:
+        out["chat_template.default"] = meta["tokenizer.chat_template"]
+    return out
+
+
 class LlamaRuntime:
     """``wrap`` wraps the engine's backend: a test that must decide when each step runs puts
     a gate in front of the real one (same interface)."""
@@ -258,6 +299,9 @@ class LlamaRuntime:
         self._llm: Any = None
         self._engine: Engine | None = None
         self._parallel = 1
+        self._tools: str | None = None  # how the loaded model takes tools (chat_tools)
+        # How a rerank model's (query, document) pairs are laid out; None: not a rerank model.
+        self._pairs: rerank.PairFormat | None = None
 
     @property
     def parallel(self) -> int:
@@ -266,9 +310,10 @@ class LlamaRuntime:
     def load(self, spec: ModelSpec, device: str) -> None:
         if spec.path is None:
             raise ValueError("a remote model is never loaded")
-        embedding = spec.type == "embedding"
-        # Embeddings are one call per request: they run one at a time, on llama-cpp-python's
-        # own batch.
+        # Embedding and rerank models pool each sequence into one output: no engine, no
+        # sampling. A request is one call: they run one at a time, on llama-cpp-python's own
+        # batch.
+        embedding = spec.type in ("embedding", "rerank")
         self._parallel = 1 if embedding else (spec.parallel or devices.default_parallel(device))
         import llama_cpp
 
@@ -277,6 +322,10 @@ class LlamaRuntime:
             if embedding
             else {"sequences": self.parallel, "n_ctx": spec.n_ctx * self.parallel}
         )
+        if spec.type == "rerank":
+            # Rank pooling attaches the reranker's classification head: one score per
+            # sequence (what llama.cpp's server does with --reranking).
+            kind["pooling_type"] = llama_cpp.LLAMA_POOLING_TYPE_RANK
         self._llm = (llama_cpp.Llama if embedding else _batched_llama())(
             model_path=spec.path,
             # A CPU device never offloads, whatever the spec asks for a GPU host.
@@ -290,6 +339,8 @@ class LlamaRuntime:
             verbose=False,
             **({"n_ctx": spec.n_ctx} | kind),
         )
+        if spec.type == "rerank":
+            self._pairs = _pair_format(self._llm)
         if not embedding:
             n_batch = max(spec.n_batch, self.parallel)
             backend = LlamaBackend(self._llm, n_batch)
@@ -297,6 +348,7 @@ class LlamaRuntime:
             self._engine = Engine(engine_backend, self.parallel, spec.n_ctx, n_batch)
             self._llm.engine = self._engine
             self._llm.pieces = Pieces(backend.piece, backend.fim())
+            self._tools = chat_tools.support(self._llm.chat_format, _templates(self._llm))
 
     @property
     def engine(self) -> Engine:
@@ -325,8 +377,60 @@ class LlamaRuntime:
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
     ) -> Any:
+        plan = chat_tools.plan(params, self._tools, self.llm.chat_format, stream)
+        params = self._grammars(plan)
         create = self.llm.create_chat_completion
-        return self._call(create, params, stream, "messages", on_step, on_usage)
+        out = self._call(create, params, stream, "messages", on_step, on_usage)
+        if plan.parse:
+            if stream:
+                return toolcalls.stream_with_calls(out, plan.parse)
+            return toolcalls.answer_with_calls(out, plan.parse)
+        return toolcalls.normalized_calls(out) if plan.normalize else out
+
+    def _grammars(self, plan: chat_tools.Plan) -> dict[str, Any]:
+        """The request's arguments with each JSON schema it asks for compiled here, so that a
+        schema the grammar cannot express is the client's 400, never a quiet fallback to any
+        JSON (llama-cpp-python falls back) nor a grammar llama.cpp refuses at sampling time."""
+        params = dict(plan.params)
+        rf = params.get("response_format")
+        if plan.forced is not None:
+            self._grammar(plan.forced[1], plan.forced[0])  # checked; the handler builds it
+        if plan.schema is not None:
+            params["grammar"] = self._grammar(plan.schema, "tools")
+        elif isinstance(rf, dict) and rf.get("type") == "json_object":
+            params.pop("response_format")
+            params["grammar"] = self._grammar(rf.get("schema"), "response_format")
+        return params
+
+    def _grammar(self, schema: dict[str, Any] | None, param: str) -> Any:
+        import llama_cpp
+        from llama_cpp import llama_grammar
+
+        try:
+            gbnf = (
+                llama_grammar.JSON_GBNF
+                if schema is None
+                else llama_grammar.json_schema_to_gbnf(json.dumps(schema))
+            )
+        except Exception as e:  # the converter raises ValueError, AssertionError, KeyError...
+            raise ApiError(
+                400,
+                f"the JSON schema in '{param}' cannot be enforced: {e}",
+                param=param,
+                code="unsupported_schema",
+            ) from None
+        made = llama_cpp.llama_sampler_init_grammar(
+            self.llm._model.vocab, gbnf.encode("utf-8"), b"root"
+        )
+        if not made:
+            raise ApiError(
+                400,
+                f"the JSON schema in '{param}' gives a grammar llama.cpp refuses",
+                param=param,
+                code="unsupported_schema",
+            )
+        llama_cpp.llama_sampler_free(made)
+        return llama_grammar.LlamaGrammar.from_string(gbnf)
 
     def completion(
         self,
@@ -371,9 +475,61 @@ class LlamaRuntime:
                     code="invalid_value",
                 )
 
+    def count_tokens(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``Kind.TOKENIZE``: the tokens of the prompt a chat request gives the model (its
+        template rendered with its messages and tools, as ``chat`` renders it), counted
+        without generating: the chat handler's completion call returns at once."""
+        _serving.count_only = True
+        try:
+            out = self.chat(params, False)
+        finally:
+            _serving.count_only = False
+        return {"input_tokens": int(out["usage"]["prompt_tokens"])}
+
     def embed(self, inputs: list[str]) -> dict[str, Any]:
         with _client_errors("input"):
             return dict(self.llm.create_embedding(inputs))
+
+    def rerank(self, query: str, documents: list[str]) -> dict[str, Any]:
+        """Each (query, document) pair's score, read straight from the rank-pooled context:
+        llama-cpp-python's ``embed`` would read n_embd floats where rank pooling leaves
+        n_cls_out, and lays no pair out."""
+        import llama_cpp
+
+        llm, fmt = self.llm, self._pairs
+        if fmt is None:
+            # Without rank pooling there is no score to read (llama.cpp returns no pointer).
+            raise ApiError(400, "this model is not a rerank model", param="model")
+        ctx = llm._ctx.ctx
+
+        def tokenize(text: str, special: bool) -> list[int]:
+            return list(llm.tokenize(text.encode("utf-8"), add_bos=False, special=special))
+
+        pairs = [rerank.pair_tokens(fmt, tokenize, query, d) for d in documents]
+        lengths = [len(p) for p in pairs]
+        # A pooled sequence is decoded whole, in one micro-batch, within the context.
+        cap = min(llm.n_batch, llama_cpp.llama_n_ubatch(ctx), llama_cpp.llama_n_ctx(ctx))
+        rerank.check_lengths(lengths, cap)
+        scores = [0.0] * len(pairs)
+        batch = llm._batch
+        try:
+            for group in rerank.batches(lengths, cap, llama_cpp.llama_n_seq_max(ctx)):
+                batch.reset()
+                for seq, i in enumerate(group):
+                    batch.add_sequence(pairs[i], seq, True)
+                llm._ctx.kv_cache_clear()
+                llm._ctx.decode(batch)
+                for seq, i in enumerate(group):
+                    scores[i] = float(llama_cpp.llama_get_embeddings_seq(ctx, seq)[0])
+        finally:
+            batch.reset()
+            llm._ctx.kv_cache_clear()
+        total = sum(lengths)
+        return {
+            "object": "list",
+            "scores": scores,
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+        }
 
     def close(self) -> None:
         if self._engine is not None:
@@ -382,3 +538,4 @@ class LlamaRuntime:
         if self._llm is not None:
             self._llm.close()
             self._llm = None
+        self._pairs = None

@@ -38,6 +38,7 @@ class TextOut:
         self._buf = bytearray()
         self._sent = 0  # bytes of _buf already handed out
         self.stopped = False  # a stop string appeared; the text ends before it
+        self.matched: str | None = None  # the stop string it ended at
 
     def add(self, piece: bytes) -> bool:
         """Append one token's bytes; True when a stop string appeared (the text is cut before
@@ -52,6 +53,7 @@ class TextOut:
             i = self._buf.find(s, start)
             if i >= 0 and (cut < 0 or i < cut):
                 cut = i
+                self.matched = s.decode("utf-8")
         if cut >= 0:
             del self._buf[max(cut, self._sent) :]
             self.stopped = True

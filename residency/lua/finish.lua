@@ -1,13 +1,17 @@
 -- The model process finished a request (served, failed or cancelled).
 -- KEYS[1] processing, KEYS[2] queue, KEYS[3] model hash, KEYS[4] events, KEYS[5] idle watch,
--- KEYS[6] reply stream, KEYS[7] the model's service-time key, KEYS[8] the day's usage hash
+-- KEYS[6] reply stream, KEYS[7] the model's service-time key, KEYS[8] the day's usage hash,
+-- KEYS[9] fair tags, KEYS[10] users' finish tags, KEYS[11] the day's quota totals, KEYS[12] the
+-- all-time usage totals
 -- ARGV[1] request JSON, ARGV[2] now, ARGV[3] idle event JSON, ARGV[4] last reply type ('' when
 -- there is none: a cancelled request), ARGV[5] last reply data JSON, ARGV[6] reply TTL seconds,
 -- ARGV[7] chunk message data JSON written before the last reply ('' when none: a stream's last
 -- chunks ride here instead of costing a round trip of their own), ARGV[8] the model's average
 -- service time ('' to leave it), ARGV[9] its TTL seconds, ARGV[10] the usage field prefix
 -- ('user|model|'), ARGV[11] prompt tokens and ARGV[12] completion tokens ('' when unknown: the
--- request is counted, its tokens are not), ARGV[13] the usage hash's TTL seconds
+-- request is counted, its tokens are not), ARGV[13] the usage hash's TTL seconds, ARGV[14] and
+-- ARGV[15] the quota-totals fields of its user's and its key's tokens ('' when it has none),
+-- ARGV[16] the quota totals' TTL seconds
 -- The last reply message is written here, with the removal from the processing list: were it
 -- written before, a process dying between the two would leave a request whose client already
 -- read its whole reply (and deleted the stream) on the processing list, and hand_back would
@@ -33,7 +37,23 @@ if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
     redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'completion_tokens', tonumber(ARGV[12]))
   end
   redis.call('EXPIRE', KEYS[8], tonumber(ARGV[13]))
+  -- The same counts, all-time (per-user metrics) and as the day's totals of its user and key
+  -- that tokens_per_day is checked against (admit.lua): one field each, not a scan of the
+  -- usage hash per admission.
+  redis.call('HINCRBY', KEYS[12], ARGV[10] .. 'requests', 1)
+  if ARGV[11] ~= '' then
+    local tokens = tonumber(ARGV[11]) + tonumber(ARGV[12])
+    redis.call('HINCRBY', KEYS[12], ARGV[10] .. 'prompt_tokens', tonumber(ARGV[11]))
+    redis.call('HINCRBY', KEYS[12], ARGV[10] .. 'completion_tokens', tonumber(ARGV[12]))
+    for i = 14, 15 do
+      if ARGV[i] ~= '' then
+        redis.call('HINCRBY', KEYS[11], ARGV[i], tokens)
+        redis.call('EXPIRE', KEYS[11], tonumber(ARGV[16]))
+      end
+    end
+  end
 end
+fair_forget(KEYS[9], KEYS[10], KEYS[2], KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[3], 'last_used', ARGV[2])
 -- Emits the idle event on the busy -> idle edge, and only while the coordinator waits for one
 -- (the idle-watch flag), so it can run a deferred eviction or load the moment it is possible.

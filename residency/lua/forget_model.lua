@@ -3,7 +3,8 @@
 -- or got work meanwhile.
 -- KEYS[1] model hash, KEYS[2] queue, KEYS[3] processing, KEYS[4] control list,
 -- KEYS[5] failure window, KEYS[6] the set of models with state, KEYS[7] registry,
--- KEYS[8] leader lease, KEYS[9] progress key, KEYS[10] service time key
+-- KEYS[8] leader lease, KEYS[9] progress key, KEYS[10] service time key, KEYS[11] fair tags,
+-- KEYS[12] users' finish tags
 -- ARGV[1] the caller's leader lease token (fencing), ARGV[2] model name, ARGV[3] the states
 -- that hold a slot (csv)
 -- Returns 'ok', 'registered', 'occupying', 'busy' or 'not_leader'.
@@ -14,6 +15,7 @@ for s in string.gmatch(ARGV[3], '[^,]+') do
   if s == state then return 'occupying' end
 end
 if redis.call('LLEN', KEYS[2]) > 0 or redis.call('LLEN', KEYS[3]) > 0 then return 'busy' end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9], KEYS[10])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[9], KEYS[10], KEYS[11],
+  KEYS[12])
 redis.call('SREM', KEYS[6], ARGV[2])
 return 'ok'

@@ -2,7 +2,8 @@
 -- otherwise it refuses ("rescued") and goes back to ready, and the coordinator re-plans. A
 -- yielding model is rescued only by a request in flight: its queued requests wait for its next
 -- load (the slot goes to the model it yields to).
--- KEYS[1] model hash, KEYS[2] queue, KEYS[3] processing, KEYS[4] events
+-- KEYS[1] model hash, KEYS[2] queue, KEYS[3] processing, KEYS[4] events, KEYS[5] fair tags,
+-- KEYS[6] users' finish tags
 -- ARGV[1] token, ARGV[2] sources for unloaded (csv), ARGV[3] sources for ready (csv),
 -- ARGV[4] unloaded event JSON, ARGV[5] rescued event JSON
 local queued = redis.call('LLEN', KEYS[2]) > 0 and not redis.call('HGET', KEYS[1], 'yielding')
@@ -16,5 +17,8 @@ end
 local ok, prev = cas(KEYS[1], 'unloaded', ARGV[2], ARGV[1])
 if not ok then return prev end
 redis.call('HDEL', KEYS[1], 'pid', 'host', 'device', 'draining_since', 'loading_since')
+-- Nothing left in flight: the fair tags of requests dropped without a finish go too (a
+-- yielding model's queued requests keep theirs for its next load).
+if redis.call('LLEN', KEYS[2]) == 0 then redis.call('DEL', KEYS[5], KEYS[6]) end
 redis.call('RPUSH', KEYS[4], ARGV[4])
 return 'unloaded'

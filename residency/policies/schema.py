@@ -66,7 +66,7 @@ class PolicyError(ValueError):
 class ModelInfo:
     """What validation needs to know about a registered model."""
 
-    type: str  # "llm" | "embedding"
+    type: str  # "llm" | "embedding" | "rerank"
     remote: bool = False  # a remote (base_url) model: forwarded, never loaded here
 
 

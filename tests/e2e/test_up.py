@@ -19,6 +19,7 @@ import psutil
 import pytest
 import requests
 
+from residency import supervisor
 from tests.conftest import tiny_models, write_config
 
 pytestmark = pytest.mark.e2e
@@ -38,19 +39,24 @@ def start_up(cfg: Path, data: Path, **popen: Any) -> subprocess.Popen[Any]:
 
 
 class Up:
-    def __init__(self, tmp: Path, models_dir: Path) -> None:
-        """Start `residency up` with its data in ``tmp / "data"`` (reused if it exists)."""
+    def __init__(self, tmp: Path, models_dir: Path, config: str | None = None) -> None:
+        """Start `residency up` with its data in ``tmp / "data"`` (reused if it exists), on the
+        tiny models, or on ``config`` (a config file's text without [server]) when given."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data = tmp / "data"
-        cfg = write_config(
-            tmp / "box.toml",
-            {
-                "server": {"port": self.port, "web_workers": 1, "max_request_bytes": 65536},
-                "debug": {"fault_injection": True},
-                "models": tiny_models(models_dir),
-            },
-        )
+        if config is None:
+            cfg = write_config(
+                tmp / "box.toml",
+                {
+                    "server": {"port": self.port, "web_workers": 1, "max_request_bytes": 65536},
+                    "debug": {"fault_injection": True},
+                    "models": tiny_models(models_dir),
+                },
+            )
+        else:
+            cfg = tmp / "box.toml"
+            cfg.write_text(f"{config}\n[server]\nport = {self.port}\nweb_workers = 1\n")
         self.proc = start_up(
             cfg, self.data, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -312,3 +318,56 @@ def test_supervisor_crash_leaves_no_orphans_and_changes_survive(
     finally:
         second.proc.send_signal(signal.SIGTERM)
         second.proc.wait(60)
+
+
+def _states(up: Up) -> dict[str, str]:
+    h = requests.get(up.url + "/health", timeout=10).json()
+    return {m["name"]: m["state"] for m in h["models"]}
+
+
+def _wait_states(up: Up, want: dict[str, str]) -> dict[str, str]:
+    """/health is a published snapshot: poll until it shows ``want`` (or give up after 60 s)."""
+    deadline = time.monotonic() + 60
+    states = _states(up)
+    while time.monotonic() < deadline and any(states.get(n) != s for n, s in want.items()):
+        time.sleep(0.1)
+        states = _states(up)
+    return states
+
+
+def test_demo_config_swaps_its_two_models_and_routes_auto(tmp_path: Path, models_dir: Path) -> None:
+    """The config `residency up` writes when none is given, on tiny models in place of the
+    demo's: both models and the policy are served, one LLM is resident at a time (asking the
+    second evicts the first), and `auto` routes by its rule."""
+    first, second = supervisor.DEFAULT_MODEL, supervisor.SECOND_MODEL
+    text = supervisor.demo_config(models_dir / "tiny0.gguf", models_dir / "tiny1.gguf")
+    up = Up(tmp_path, models_dir, config=text)
+    try:
+        ids = {m.id for m in up.client.models.list().data}
+        assert {first, second, supervisor.DEFAULT_POLICY} <= ids
+        for model in (first, second):
+            r = up.client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+            )
+            assert r.model == model and r.choices[0].message.content
+        assert _wait_states(up, {first: "unloaded", second: "ready"}) == {
+            first: "unloaded",
+            second: "ready",
+        }
+        routes = []
+        for prompt in ("Hello", "Tell me about Gemma"):
+            resp = requests.post(
+                up.url + "/v1/chat/completions",
+                json={
+                    "model": supervisor.DEFAULT_POLICY,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 4,
+                },
+                timeout=120,
+            )
+            assert resp.status_code == 200, resp.text
+            routes.append(resp.headers["x-residency-route"])
+        assert routes == [f"auto:default:{first}", f"auto:gemma:{second}"]
+    finally:
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0

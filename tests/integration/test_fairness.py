@@ -127,7 +127,9 @@ def test_a_busy_model_yields_its_slot_and_its_queued_requests_wait_their_turn(
     assert [out[0] for _, out in asked] == [200, 200, 200, 200]
     # The held request ends first; then b gets the slot a gave up; then a's queue its turn.
     assert order == ["a", "b", "a", "a"]
-    assert counter(pool, metrics.EVICTIONS_TOTAL, reason="yield") == 1
+    # a's eviction was a yield; b may yield in its turn too (a has waited more than max_busy_s
+    # when b takes its request, and min_resident_s is 0), whether a pass sees b busy is timing.
+    assert counter(pool, metrics.EVICTIONS_TOTAL, reason="yield") >= 1
     assert loads(pool, "a") == 2 and loads(pool, "b") == 1
     assert pool.state("a") == "ready" and pool.pid("a") != pid_a
     # Loaded again, it starts not yielding.

@@ -22,11 +22,18 @@ from web import bus
 
 
 def usage_of(r: redis.Redis, user: str, model: str) -> dict[str, int]:
-    """Today's (UTC) counters of ``user`` on ``model``."""
+    """Today's (UTC) token and request counters of ``user`` on ``model`` (its load seconds:
+    ``load_seconds_of``)."""
     day = time.strftime("%Y-%m-%d", time.gmtime())
     raw = r.hgetall(keys.usage(day))
     prefix = keys.usage_field(user, model, "")
-    return {str(k).removeprefix(prefix): int(v) for k, v in raw.items() if k.startswith(prefix)}
+    counters = {str(k).removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix)}
+    return {k: int(v) for k, v in counters.items() if k != "load_seconds"}
+
+
+def load_seconds_of(r: redis.Redis, user: str, model: str) -> float:
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    return float(r.hget(keys.usage(day), keys.usage_field(user, model, "load_seconds")) or 0)
 
 
 def test_usage_totals_equal_the_sum_of_the_responses_usage(
@@ -44,7 +51,9 @@ def test_usage_totals_equal_the_sum_of_the_responses_usage(
     answers.append(resp.get_json()["usage"])
     # A stream's tokens count too: the same request unstreamed (temperature 0) says how many.
     same = {"max_tokens": 7, "temperature": 0}
-    assert chat(c, "a", stream=True, **same).status_code == 200
+    streamed = chat(c, "a", stream=True, **same)
+    # Read to its end: a stream dropped unread is a client gone away (its generation stops).
+    assert streamed.status_code == 200 and streamed.get_data(as_text=True).endswith("[DONE]\n\n")
     resp = chat(c, "a", **same)
     answers += [resp.get_json()["usage"]] * 2
 

@@ -420,7 +420,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.a_load_finishes(name, True)
         m = self.models[name]
         while m.state is S.READY and m.queued and not m.yielding:
+            queued = m.queued
             self.a_request_starts(name)
+            if m.queued == queued:
+                break  # it cannot start one (its process is gone): a later rule moves it on
             self.a_request_ends(name)
         self.now += 1.0
 

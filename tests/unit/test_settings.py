@@ -70,7 +70,7 @@ def test_model_spec_validation() -> None:
     s = st.build({"models": {"a": {"path": "/m/a.gguf", "n_ctx": 512}}})
     assert s.models["a"].type == "llm"
     with pytest.raises(st.SettingsError) as e:
-        st.build({"models": {"a": {"path": "/m/a.gguf", "type": "rerank"}}})
+        st.build({"models": {"a": {"path": "/m/a.gguf", "type": "classifier"}}})
     assert "models.a.type" in e.value.problems
     with pytest.raises(st.SettingsError) as e:
         st.build({"models": {"bad/name": {"path": "/m/a.gguf"}}})

@@ -156,7 +156,6 @@ GOOD_CHAT: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
         chat(
             user="u1",
             metadata={"a": "b"},
-            stream_options={"include_usage": True},
             parallel_tool_calls=False,
             store=False,
             n=1,

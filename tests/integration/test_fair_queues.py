@@ -1,0 +1,313 @@
+"""Fair queues between the users of one model: the submit, finish, withdraw, reject and
+hand-back scripts driven directly against a real Redis (the model process's take is its own
+``LMOVE RIGHT LEFT``), then one real model process serving a heavy user and a light one.
+
+Assertions are on queue orders, tags and counts, never on durations."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from coordinator import snapshot
+from residency import keys, work
+from residency.errors import ApiError
+from residency.lua import Scripts
+from residency.messages import Kind, Request, new_request_id
+from residency.settings import Settings
+from tests.conftest import Pool
+from tests.integration.test_bounded_work import faults
+from tests.integration.test_pool import chat, client_for
+from web import bus
+
+M = "m"
+
+
+def item(user: str, rid: str | None = None) -> str:
+    return Request(
+        id=rid or new_request_id(),
+        kind=Kind.CHAT,
+        model=M,
+        params={"messages": []},
+        stream=False,
+        submitted=time.time(),
+        user=user,
+    ).dumps()
+
+
+def user_of(raw: str) -> str:
+    return Request.loads(raw).user
+
+
+class Model:
+    """One model's queue, driven through the scripts the way web and a model process do."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.scripts = Scripts(r)
+        r.hset(keys.model(M), "state", "ready")  # no demand events
+
+    def submit(
+        self, user: str, *, weight: float = 1.0, bound: int = -1, fair: bool = True, rid: str = ""
+    ) -> tuple[str, tuple[int, int | str]]:
+        it = item(user, rid or None)
+        res = self.scripts.submit(
+            M,
+            it,
+            bound=bound,
+            demand_event={"type": "demand", "model": M},
+            user=user,
+            weight=weight,
+            fair=fair,
+        )
+        return it, res
+
+    def take(self) -> str:
+        """What the model process's BLMOVE takes: the right end, into processing."""
+        raw = self.r.lmove(keys.queue(M), keys.processing(M), "RIGHT", "LEFT")
+        assert raw is not None, "nothing queued"
+        return str(raw)
+
+    def finish(self, raw: str) -> None:
+        self.scripts.finish(
+            M, raw, now=time.time(), idle_event={}, request_id=Request.loads(raw).id
+        )
+
+    def serve_all(self) -> list[str]:
+        served = []
+        while self.r.llen(keys.queue(M)):
+            raw = self.take()
+            self.finish(raw)
+            served.append(raw)
+        return served
+
+    def order(self) -> list[str]:
+        """The queue in service order (next first)."""
+        return [str(x) for x in reversed(self.r.lrange(keys.queue(M), 0, -1))]
+
+    def tags(self) -> dict[str, float]:
+        return {
+            str(k): float(v) for k, v in self.r.zrange(keys.queue_tags(M), 0, -1, withscores=True)
+        }
+
+    def tag_keys(self) -> int:
+        return int(self.r.exists(keys.queue_tags(M), keys.queue_finish(M)))
+
+
+@pytest.fixture
+def m(r: redis.Redis) -> Model:
+    return Model(r)
+
+
+@pytest.mark.parametrize("in_service", [0, 1, 3])
+def test_a_light_user_is_not_queued_behind_a_heavy_users_fifty(m: Model, in_service: int) -> None:
+    """Heavy queues 50 (some already served, ``in_service`` of them running); light's one
+    request is next — or, with nothing running, second: behind heavy's request whose tag it
+    ties (V, the smallest tag, is that request's; a tie keeps arrival order) — within
+    in_service + 1 places of the right end either way but for that tie, and the rest keeps
+    heavy's order."""
+    heavy = [m.submit("heavy")[0] for _ in range(50)]
+    for _ in range(10):  # served: heavy's tags moved on
+        m.finish(m.take())
+    running = [m.take() for _ in range(in_service)]
+    light, res = m.submit("light")
+    assert res == (1, 50 - 10 - in_service + 1)
+    order = m.order()
+    assert order.index(light) + 1 == (1 if in_service else 2)
+    assert [x for x in order if x != light] == heavy[10 + in_service :]
+    for raw in running:
+        m.finish(raw)
+    served = m.serve_all()
+    assert served.index(light) == order.index(light)
+
+
+def test_weights_two_to_one_interleave_two_to_one(m: Model) -> None:
+    a = [m.submit("a", weight=2.0)[0] for _ in range(10)]
+    b = [m.submit("b", weight=1.0)[0] for _ in range(10)]
+    # Tags: a 0, .5, 1, 1.5, ...; b 0, 1, 2, ...; a tie goes to the one queued first (a).
+    expected = [
+        a[0], b[0], a[1], a[2], b[1], a[3], a[4], b[2], a[5], a[6], b[3], a[7], a[8], b[4], a[9],
+        *b[5:],
+    ]  # fmt: skip
+    assert m.order() == expected
+    assert m.serve_all() == expected
+
+
+def test_equal_tags_are_served_in_arrival_order(m: Model) -> None:
+    # Three users, two requests each, queued in turns: every first request has tag 0, every
+    # second one tag 1. Their ids sort against arrival (the tag set orders a tie by member):
+    # the order must still be arrival order within each tag.
+    firsts, seconds = [], []
+    for n, u in enumerate(("u1", "u2", "u3")):
+        firsts.append(m.submit(u, rid=f"z{9 - n}")[0])
+    for n, u in enumerate(("u1", "u2", "u3")):
+        seconds.append(m.submit(u, rid=f"y{9 - n}")[0])
+    assert m.order() == firsts + seconds
+    # A fourth user's first request (tag 0) goes after every tag-0 request, before the tag 1s.
+    late = m.submit("u4", rid="a0")[0]
+    assert m.order() == [*firsts, late, *seconds]
+    # Anonymous callers are one user: first come, first served among themselves.
+    m.serve_all()
+    anon = [m.submit("")[0] for _ in range(5)]
+    assert m.order() == anon
+
+
+def test_one_users_requests_keep_their_order(m: Model) -> None:
+    mine = []
+    for n in range(12):
+        mine.append(m.submit("me")[0])
+        m.submit(f"other{n % 3}")
+    served = m.serve_all()
+    assert [x for x in served if user_of(x) == "me"] == mine
+
+
+def test_finish_and_withdraw_remove_tags_and_an_empty_model_resets(m: Model) -> None:
+    x, _ = m.submit("u")
+    y, _ = m.submit("u")
+    z, _ = m.submit("v")
+    assert set(m.tags()) == {x, y, z}
+    # Withdrawn while queued: its tag goes.
+    assert m.scripts.withdraw(M, Request.loads(y).id, y, cancel=True)
+    assert set(m.tags()) == {x, z}
+    # Taken, then finished: its tag stays while it runs (V must not jump), then goes.
+    taken = m.take()
+    assert taken == x and set(m.tags()) == {x, z}
+    m.finish(x)
+    assert set(m.tags()) == {z}
+    assert m.r.hgetall(keys.queue_finish(M)) != {}
+    # A withdraw that finds it taken leaves the tag to the finish.
+    taken = m.take()
+    assert not m.scripts.withdraw(M, Request.loads(z).id, z, cancel=True)
+    assert set(m.tags()) == {z}
+    m.finish(z)
+    # Nothing queued, nothing in flight: tags and finish tags are gone, the next starts at 0.
+    assert m.tag_keys() == 0
+    fresh, _ = m.submit("u")
+    assert m.tags() == {fresh: 0.0}
+    # The last one withdrawn resets too.
+    assert m.scripts.withdraw(M, Request.loads(fresh).id, fresh, cancel=False)
+    assert m.tag_keys() == 0
+
+
+def test_a_stale_tag_is_dropped_once_the_model_is_empty(m: Model) -> None:
+    """A request dropped without a finish (a malformed one a process LREMs) leaves a tag; the
+    next submit to an empty model starts from nothing."""
+    x, _ = m.submit("u")
+    m.r.lrem(keys.queue(M), 1, x)
+    assert m.tags() == {x: 0.0}
+    m.r.hset(keys.queue_finish(M), "u", 100)
+    y, _ = m.submit("u")
+    assert m.tags() == {y: 0.0}
+
+
+def test_the_depth_bound_is_unchanged(m: Model) -> None:
+    for fair in (True, False):
+        for n in range(3):
+            assert m.submit("u", bound=3, fair=fair)[1] == (1, n + 1)
+        it, res = m.submit("v", bound=3, fair=fair)
+        assert res == (0, 3)
+        assert it not in m.tags() and it not in m.order()
+        assert len(m.tags()) == (3 if fair else 0)
+        m.serve_all()
+        assert m.tag_keys() == 0
+
+
+def test_first_come_first_served_when_fair_queues_are_off(m: Model) -> None:
+    heavy = [m.submit("heavy", fair=False)[0] for _ in range(5)]
+    light, _ = m.submit("light", fair=False)
+    assert m.order() == [*heavy, light]
+    assert m.tag_keys() == 0
+
+
+def test_a_handed_back_request_keeps_its_tag_and_a_refused_one_loses_it(m: Model) -> None:
+    x, _ = m.submit("u")
+    y, _ = m.submit("v")
+    m.take()
+    counts = work.hand_back(m.r, m.scripts, M, "exited with -9", crashed=True)
+    assert counts["requeued"] == 1
+    again = m.order()[0]
+    assert Request.loads(again).id == Request.loads(x).id and again != x  # attempts counted
+    assert m.tags() == {again: 0.0, y: 0.0}
+    m.take()
+    # The second crash refuses it: answered, its tag gone.
+    assert work.hand_back(m.r, m.scripts, M, "exited with -9", crashed=True)["refused"] == 1
+    assert m.tags() == {y: 0.0}
+    m.serve_all()
+    assert m.tag_keys() == 0
+
+
+def test_failing_the_queue_removes_every_tag(m: Model) -> None:
+    for u in ("u", "v", "u"):
+        m.submit(u)
+    err = ApiError(500, "load failed", type="server_error", code="model_load_failed")
+    assert work.fail_queued(m.r, M, err) == 3
+    assert m.tag_keys() == 0 and m.order() == []
+
+
+def test_health_counts_queued_requests_per_user(m: Model) -> None:
+    for u in ("ann", "ann", "", "bob"):
+        m.submit(u)
+    m.take()  # in flight: not queued
+    m.r.sadd(keys.models_with_state(), M)
+    s = Settings()
+    rd = snapshot.read(m.r, s, time.time())
+    [rec] = [x for x in snapshot.health_record(rd, s)["models"] if x["name"] == M]
+    assert rec["queued"] == 3
+    assert rec["queued_by_user"] == {"ann": 1, keys.ANONYMOUS: 1, "bob": 1}
+    # demand_since is the oldest queued request, wherever fair queueing placed it.
+    oldest = min(Request.loads(x).submitted for x in m.order())
+    assert rd.snap.models[M].demand_since == oldest
+
+
+def test_queue_summary_is_pure() -> None:
+    a = Request("1", Kind.CHAT, M, {}, False, 5.0, user="ann").dumps()
+    b = Request("2", Kind.CHAT, M, {}, False, 3.0).dumps()
+    assert snapshot.queue_summary([a, b, "not json"]) == (3.0, {"ann": 1, keys.ANONYMOUS: 1})
+    assert snapshot.queue_summary([]) == (None, {})
+
+
+def test_a_light_users_answer_comes_before_most_of_a_heavy_users(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """A real model process with one slot: heavy queues 20 while the slot is held, then light
+    sends one. Light's answer arrives before at least 15 of heavy's (it is served second)."""
+    pool = start_pool(debug={"fault_injection": True})  # tiny model "a" has one slot
+    c = client_for(pool)
+    assert chat(c, "a").status_code == 200  # loaded: the requests below are served at once
+    faults(c, hold={"a": True}, token_delay_s={"a": 0.1})
+
+    def send(user: str) -> bus.Call:
+        return bus.submit(
+            pool.r,
+            Scripts(pool.r),
+            kind=Kind.CHAT,
+            model="a",
+            params={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            stream=False,
+            bound=-1,
+            timeout_s=120,
+            user=user,
+        )
+
+    heavy = [send("heavy")]
+    pool.wait_for(lambda: pool.r.llen(keys.processing("a")) == 1, what="heavy's first held")
+    heavy += [send("heavy") for _ in range(19)]
+    light = send("light")
+    assert pool.r.llen(keys.queue("a")) == 20
+    faults(c, hold={"a": False})
+    assert light.result()["object"] == "chat.completion"
+    answered = sum(1 for call in heavy if final(pool.r, call))
+    assert answered <= 5, f"{answered} of heavy's requests were answered before light's"
+    for call in heavy:
+        assert call.result()["object"] == "chat.completion"
+    assert pool.r.exists(keys.queue_tags("a"), keys.queue_finish("a")) == 0
+
+
+def final(r: redis.Redis, call: bus.Call) -> bool:
+    """Whether the reply stream of ``call`` holds its last message (not read yet)."""
+    last: Any = r.xrevrange(keys.reply(call.req.id), count=1)
+    return bool(last) and last[0][1]["t"] in ("done", "error")

@@ -1,0 +1,442 @@
+"""Quotas and the usage report against real parts: a real Redis, the quota script called as the
+web tier calls it, and — for the HTTP behaviour — the coordinator, agent and real model
+processes (llama.cpp, tiny GGUF) behind Flask apps, two of them standing for two web processes.
+
+The callers' identities come from a ``before_request`` hook of the test (the header
+``x-test-caller`` names one of the test's principals): it sets ``flask.g.principal`` as the
+auth layer does, so these tests exercise quotas alone. Assertions are on statuses, error
+codes, counts and stored totals, never on how long something took.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from flask import Flask, g, request
+from flask.testing import FlaskClient
+
+from residency import keys
+from residency.auth import Principal, Quotas
+from residency.box import connect
+from residency.errors import ApiError
+from residency.lua import Scripts
+from tests.conftest import Pool
+from tests.integration.test_bounded_work import configure, faults
+from tests.integration.test_pool import _APP_LOCK, ADMIN, in_thread
+from web import quota
+from web.app import create_app
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def user(
+    name: str, key: str | None = None, key_quotas: Quotas | None = None, **q: Any
+) -> Principal:
+    return Principal(
+        kind="user",
+        name=name,
+        key_id=key,
+        user_quotas=Quotas(**q),
+        key_quotas=key_quotas or Quotas(),
+    )
+
+
+def app_for(pool: Pool, callers: dict[str, Principal]) -> Flask:
+    """The web app of one web process, with the test's callers: ``x-test-caller: NAME``."""
+    with _APP_LOCK:
+        app = create_app(pool.box)
+
+    @app.before_request
+    def _caller() -> None:
+        name = request.headers.get("x-test-caller")
+        if name:
+            g.principal = callers[name]
+
+    return app
+
+
+def ask(c: FlaskClient, caller: str | None, model: str = "a", **kw: Any) -> Any:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 4, **kw}
+    headers = {"x-test-caller": caller} if caller else {}
+    return c.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def refused(resp: Any, quota_name: str) -> str:
+    """The refusal's message, after checking its envelope and Retry-After."""
+    assert resp.status_code == 429, resp.get_data(as_text=True)
+    err = resp.get_json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "quota_exceeded"
+    assert err["param"] is None
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert quota_name in err["message"]
+    return str(err["message"])
+
+
+def today() -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime())
+
+
+# --- the quota script, as web calls it ---------------------------------------------------------
+
+
+def admit_many(
+    redis_url: str, p: Principal, n_procs: int, n_threads: int, **kw: Any
+) -> tuple[list[quota.Ticket], list[ApiError]]:
+    """``n_threads`` admissions at once, spread over ``n_procs`` clients (web processes)."""
+    clients = [connect(redis_url) for _ in range(n_procs)]
+    scripts = [Scripts(c) for c in clients]
+    admitted: list[quota.Ticket] = []
+    errors: list[ApiError] = []
+    lock = threading.Lock()
+    go = threading.Barrier(n_threads)
+
+    def one(i: int) -> None:
+        go.wait()
+        try:
+            t = quota.admit(clients[i % n_procs], scripts[i % n_procs], p, "a", hold_s=60, **kw)
+            with lock:
+                admitted.append(t)  # type: ignore[arg-type]
+        except ApiError as e:
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.close()
+    return admitted, errors
+
+
+def test_requests_per_minute_admits_exactly_the_quota_across_processes(
+    r: redis.Redis, redis_url: str
+) -> None:
+    ann = user("ann", requests_per_minute=7)
+    admitted, errors = admit_many(redis_url, ann, n_procs=2, n_threads=20)
+    assert len(admitted) == 7 and len(errors) == 13
+    for e in errors:
+        assert e.status == 429 and e.code == "quota_exceeded"
+        assert e.message.startswith("user 'ann' reached its quota of 7 requests per minute;")
+        assert e.retry_after is not None and 1 <= e.retry_after <= 60
+    assert r.zcard(keys.quota_rate("user", "ann")) == 7
+    # Another user has a window of its own.
+    assert quota.admit(r, Scripts(r), user("bob", requests_per_minute=7), "a", hold_s=60)
+
+
+def test_a_request_must_fit_both_its_user_and_its_key_and_a_refusal_takes_nothing(
+    r: redis.Redis,
+) -> None:
+    s = Scripts(r)
+    p = user("ann", key="k1", key_quotas=Quotas(concurrent=1), requests_per_minute=10)
+    first = quota.admit(r, s, p, "a", hold_s=60)
+    assert first is not None
+    with pytest.raises(ApiError) as e:
+        quota.admit(r, s, p, "a", hold_s=60)
+    assert e.value.message.startswith("API key 'k1' of user 'ann' reached its quota of 1 ")
+    # The refused request took no place in its user's window.
+    assert r.zcard(keys.quota_rate("user", "ann")) == 1
+    first.release(r)
+    assert r.zcard(keys.quota_concurrent("key", "k1")) == 0
+    assert quota.admit(r, s, p, "a", hold_s=60) is not None
+    assert r.zcard(keys.quota_rate("user", "ann")) == 2
+
+
+def test_an_expired_place_in_flight_is_taken_back(r: redis.Redis) -> None:
+    """A web process that died holding a place leaks it only until its request's deadline."""
+    s = Scripts(r)
+    p = user("ann", concurrent=1)
+    r.zadd(keys.quota_concurrent("user", "ann"), {"dead-process": 1.0})  # expired long ago
+    ticket = quota.admit(r, s, p, "a", hold_s=60)
+    assert ticket is not None
+    assert r.zrange(keys.quota_concurrent("user", "ann"), 0, -1) == [ticket.id]
+
+
+def test_no_quotas_cost_nothing(r: redis.Redis) -> None:
+    from residency.auth import ANONYMOUS
+
+    s = Scripts(r)
+    assert quota.admit(r, s, ANONYMOUS, "a", hold_s=60) is None
+    assert quota.admit(r, s, user("ann"), "a", hold_s=60) is None
+    assert r.dbsize() == 0
+
+
+def test_daily_quotas_read_the_days_totals(r: redis.Redis) -> None:
+    s = Scripts(r)
+    day = keys.quota_day(today())
+    p = user("ann", key="k1", key_quotas=Quotas(tokens_per_day=100), load_seconds_per_day=2.0)
+    r.hset(day, keys.quota_field("tokens", "key", "k1"), 100)
+    with pytest.raises(ApiError) as e:
+        quota.admit(r, s, p, "a", hold_s=60)
+    assert "API key 'k1' of user 'ann' reached its quota of 100 tokens per day (100 used" in (
+        e.value.message
+    )
+    assert "resets at 00:00 UTC" in e.value.message
+    assert e.value.retry_after is not None and 1 <= e.value.retry_after <= 86400
+    r.hset(day, keys.quota_field("tokens", "key", "k1"), 99)
+    r.hset(day, keys.quota_field("load_seconds", "user", "ann"), 2.5)
+    # Over its load-seconds: refused for a model that is not loaded (the request would load
+    # it), admitted for one that is ready or loading (someone else's load).
+    with pytest.raises(ApiError) as e:
+        quota.admit(r, s, p, "a", hold_s=60)
+    assert "user 'ann' reached its quota of 2 load-seconds per day (2.5 used today)" in (
+        e.value.message
+    )
+    assert "model 'a' is not loaded (it is unloaded)" in e.value.message
+    for state in ("ready", "loading"):
+        r.hset(keys.model("a"), "state", state)
+        assert quota.admit(r, s, p, "a", hold_s=60) is not None
+    # A remote model is never loaded: that quota does not apply.
+    r.hset(keys.model("a"), "state", "unloaded")
+    assert quota.admit(r, s, p, "a", hold_s=60, may_load=False) is not None
+
+
+# --- through the web tier, with real model processes ------------------------------------------
+
+
+def test_two_web_processes_admit_exactly_the_requests_per_minute(
+    start_pool: Callable[..., Pool],
+) -> None:
+    pool = start_pool()
+    callers = {"ann": user("ann", requests_per_minute=7)}
+    apps = [app_for(pool, callers), app_for(pool, callers)]
+    go = threading.Barrier(20)
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        c = apps[i % 2].test_client()
+        go.wait()
+        resp = ask(c, "ann")
+        with lock:
+            results.append(resp)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    codes = sorted(x.status_code for x in results)
+    assert codes == [200] * 7 + [429] * 13
+    for resp in results:
+        if resp.status_code == 429:
+            msg = refused(resp, "7 requests per minute")
+            assert msg.startswith("user 'ann' reached its quota of 7 requests per minute; ")
+            assert "it resets in " in msg
+    assert usage_of_float(pool.r, "ann", "a", "requests") == 7
+
+
+def test_concurrent_quota_with_held_requests(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool(debug={"fault_injection": True}, models=None)
+    callers = {"ann": user("ann", concurrent=2), "bob": user("bob")}
+    app = app_for(pool, callers)
+    c = app.test_client()
+    assert ask(c, "bob").status_code == 200  # a is loaded
+    faults(c, hold={"a": True})
+    conc = keys.quota_concurrent("user", "ann")
+    held = [in_thread(lambda: ask(app.test_client(), "ann")) for _ in range(2)]
+    pool.wait_for(lambda: pool.r.zcard(conc) == 2, what="two of ann's requests in flight")
+    msg = refused(ask(c, "ann"), "2 concurrent requests")
+    assert msg.startswith("user 'ann' reached its quota of 2 concurrent requests; retry in ")
+    assert pool.r.zcard(conc) == 2
+    # A stream whose client goes away gives its place back too.
+    faults(c, hold={"a": False})
+    for t, out in held:
+        t.join(60)
+        assert out[0].status_code == 200
+    assert pool.r.zcard(conc) == 0
+    # A stream answers once its first keep-alive goes out (its model is held).
+    configure(c, "server", sse_keepalive_s=0.05)
+    faults(c, hold={"a": True})
+    stream = c.post(
+        "/v1/chat/completions",
+        json={"model": "a", "messages": MESSAGES, "max_tokens": 4, "stream": True},
+        headers={"x-test-caller": "ann"},
+        buffered=False,
+    )
+    assert pool.r.zcard(conc) == 1
+    other = in_thread(lambda: ask(app.test_client(), "ann"))
+    pool.wait_for(lambda: pool.r.zcard(conc) == 2, what="a stream and a request in flight")
+    refused(ask(c, "ann"), "concurrent")
+    stream.close()  # the client leaves
+    assert pool.r.zcard(conc) == 1
+    faults(c, hold={"a": False})
+    other[0].join(60)
+    assert other[1][0].status_code == 200
+    assert ask(c, "ann").status_code == 200
+    assert pool.r.zcard(conc) == 0
+
+
+def test_tokens_per_day_refuses_once_the_days_tokens_are_used(
+    start_pool: Callable[..., Pool],
+) -> None:
+    pool = start_pool()
+    callers = {
+        "ann": user("ann", tokens_per_day=30),
+        "ann-k": user("ann", key="k1", key_quotas=Quotas(tokens_per_day=1000), tokens_per_day=30),
+    }
+    c = app_for(pool, callers).test_client()
+    used = 0
+    while used < 30:
+        resp = ask(c, "ann", max_tokens=8)
+        assert resp.status_code == 200, resp.get_json()
+        used += resp.get_json()["usage"]["total_tokens"]
+    msg = refused(ask(c, "ann"), "tokens per day")
+    assert msg.startswith(f"user 'ann' reached its quota of 30 tokens per day ({used} used today)")
+    assert int(pool.r.hget(keys.quota_day(today()), keys.quota_field("tokens", "user", "ann"))) == (
+        used
+    )
+    # Through a key with a quota of its own (unused), the user's quota still applies.
+    msg = refused(ask(c, "ann-k"), "tokens per day")
+    assert msg.startswith("user 'ann' reached its quota of 30 tokens per day")
+
+
+def test_key_tokens_are_counted_per_key(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool()
+    callers = {"k": user("cy", key="k2", key_quotas=Quotas(tokens_per_day=5))}
+    c = app_for(pool, callers).test_client()
+    resp = ask(c, "k", max_tokens=8)
+    assert resp.status_code == 200
+    spent = resp.get_json()["usage"]["total_tokens"]
+    assert spent >= 5
+    day = keys.quota_day(today())
+    assert int(pool.r.hget(day, keys.quota_field("tokens", "key", "k2"))) == spent
+    assert int(pool.r.hget(day, keys.quota_field("tokens", "user", "cy"))) == spent
+    msg = refused(ask(c, "k"), "tokens per day")
+    assert msg.startswith("API key 'k2' of user 'cy' reached its quota of 5 tokens per day")
+
+
+def test_load_seconds_are_charged_to_the_causing_user_and_refuse_only_loads(
+    start_pool: Callable[..., Pool],
+) -> None:
+    pool = start_pool(pool={"max_loaded_models": 1})
+    callers = {
+        "ann": user("ann", load_seconds_per_day=0.0001),
+        "bob": user("bob"),
+    }
+    c = app_for(pool, callers).test_client()
+    assert ask(c, "ann", "a").status_code == 200  # within its quota (nothing used): loads a
+    day = keys.quota_day(today())
+    charged = float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "ann")) or 0)
+    load_a = float(pool.r.hget(keys.model("a"), "load_seconds") or 0)
+    assert charged > 0 and charged == pytest.approx(load_a, abs=1e-3)
+    assert usage_of_float(pool.r, "ann", "a", "load_seconds") == pytest.approx(charged, abs=1e-9)
+    # Loaded: ann's requests for it pass; a cold one would load: refused, and nothing queued.
+    assert ask(c, "ann", "a").status_code == 200
+    msg = refused(ask(c, "ann", "b"), "load-seconds per day")
+    assert "model 'b' is not loaded (it is unloaded)" in msg
+    assert pool.r.llen(keys.queue("b")) == 0 and pool.state("b") == "unloaded"
+    # Bob's request loads b: charged to bob, not ann; then ann may use b.
+    assert ask(c, "bob", "b").status_code == 200
+    assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "bob")) or 0) > 0
+    assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "ann"))) == charged
+    assert ask(c, "ann", "b").status_code == 200
+
+
+def usage_of_float(r: redis.Redis, user_: str, model: str, counter: str) -> float:
+    return float(r.hget(keys.usage(today()), keys.usage_field(user_, model, counter)) or 0)
+
+
+# --- the usage report and per-user metrics -----------------------------------------------------
+
+
+def test_admin_usage_totals_equal_the_responses_usage(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool()
+    callers = {"ann": user("ann"), "bob": user("bob")}
+    c = app_for(pool, callers).test_client()
+    sums: dict[tuple[str, str], list[int]] = {}
+    for caller, model, n in (("ann", "a", 3), ("ann", "a", 6), ("bob", "a", 5), ("ann", "b", 4)):
+        resp = ask(c, caller, model, max_tokens=n)
+        assert resp.status_code == 200
+        u = resp.get_json()["usage"]
+        s = sums.setdefault((caller, model), [0, 0, 0])
+        s[0] += 1
+        s[1] += u["prompt_tokens"]
+        s[2] += u["completion_tokens"]
+    resp = c.get("/admin/usage", headers=ADMIN)
+    assert resp.status_code == 200
+    rep = resp.get_json()
+    assert rep["from"] == rep["to"] == today()
+
+    def totals(items: list[list[int]]) -> dict[str, int]:
+        return {
+            "requests": sum(x[0] for x in items),
+            "prompt_tokens": sum(x[1] for x in items),
+            "completion_tokens": sum(x[2] for x in items),
+        }
+
+    def counts(row: dict[str, Any]) -> dict[str, int]:
+        return {k: row[k] for k in ("requests", "prompt_tokens", "completion_tokens")}
+
+    assert counts(rep["total"]) == totals(list(sums.values()))
+    assert rep["total"]["total_tokens"] == (
+        rep["total"]["prompt_tokens"] + rep["total"]["completion_tokens"]
+    )
+    assert counts(rep["users"]["ann"]) == totals([v for k, v in sums.items() if k[0] == "ann"])
+    assert counts(rep["models"]["a"]) == totals([v for k, v in sums.items() if k[1] == "a"])
+    assert counts(rep["days"][today()]) == totals(list(sums.values()))
+    # Loads were caused by ann (a, then b): their seconds are hers.
+    assert rep["users"]["ann"]["load_seconds"] > 0 and rep["users"]["bob"]["load_seconds"] == 0
+    one = c.get(f"/admin/usage?from={today()}&to={today()}&user=ann&model=a", headers=ADMIN)
+    assert counts(one.get_json()["total"]) == totals([sums[("ann", "a")]])
+    assert [(x["user"], x["model"]) for x in one.get_json()["rows"]] == [("ann", "a")]
+    # Bad queries name their parameter; the report is the admin's.
+    bad = c.get("/admin/usage?from=2024-02-30", headers=ADMIN)
+    assert bad.status_code == 400 and bad.get_json()["error"]["param"] == "from"
+    bad = c.get("/admin/usage?from=2024-03-02&to=2024-03-01", headers=ADMIN)
+    assert bad.status_code == 400 and bad.get_json()["error"]["param"] == "from"
+    assert c.get("/admin/usage").status_code == 401
+
+
+def test_per_user_metrics_only_when_configured(start_pool: Callable[..., Pool]) -> None:
+    pool = start_pool()
+    c = app_for(pool, {"ann": user("ann")}).test_client()
+    resp = ask(c, "ann", max_tokens=3)
+    assert resp.status_code == 200
+    u = resp.get_json()["usage"]
+    text = c.get("/metrics").get_data(as_text=True)
+    assert "residency_user_" not in text and 'user="ann"' not in text
+    configure(c, "metrics", per_user=True)
+    text = c.get("/metrics").get_data(as_text=True)
+    assert 'residency_user_requests_total{model="a",user="ann"} 1.0' in text
+    for kind in ("prompt", "completion"):
+        line = f'residency_user_tokens_total{{kind="{kind}",model="a",user="ann"}} '
+        assert line + str(float(u[f"{kind}_tokens"])) in text
+
+
+def test_usage_command_prints_the_report_as_a_table(
+    start_pool: Callable[..., Pool],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from residency import cli
+    from tests.integration.test_bounded_work import http_server
+
+    pool = start_pool()
+    c = app_for(pool, {"ann": user("ann")}).test_client()
+    resp = ask(c, "ann", max_tokens=5)
+    assert resp.status_code == 200
+    u = resp.get_json()["usage"]
+    monkeypatch.setenv("RESIDENCY_ADMIN_KEY", "test-admin-key")
+    args = ["--config", str(pool.box.config_path), "--data-dir", str(pool.box.data_dir)]
+    with http_server(pool) as port:
+        url = f"http://127.0.0.1:{port}"
+        assert cli.main(["usage", "--url", url, "--user", "ann", *args]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split()[:4] == ["day", "user", "model", "requests"]
+        row = [today(), "ann", "a", "1", str(u["prompt_tokens"]), str(u["completion_tokens"])]
+        assert lines[1].split()[:6] == row
+        assert lines[-1].split()[:4] == [
+            "total",
+            "1",
+            str(u["prompt_tokens"]),
+            str(u["completion_tokens"]),
+        ]
+        assert cli.main(["usage", "--url", url, "--from", "someday", *args]) == 1
+        assert "'from' must be a date" in capsys.readouterr().err

@@ -1,0 +1,208 @@
+"""Tool calls parsed from a model's text (workers.toolcalls) and what a request's tools mean
+for a model (workers.chat_tools): pure, fed controlled text and chunks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from residency.errors import ApiError
+from workers import chat_tools, toolcalls
+from workers.toolcalls import ToolText, parse
+
+NAMES = ["get_weather", "add"]
+HERMES = (
+    "Let me look.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+)
+
+
+def calls_of(text: str) -> tuple[str | None, list[tuple[str, Any]]]:
+    content, calls = parse(text, NAMES)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_blocks_become_calls_in_order_after_their_text() -> None:
+    content, calls = calls_of(HERMES)
+    assert content == "Let me look.\n"
+    assert calls == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+def test_a_bare_json_answer_is_a_call_with_parameters_or_arguments() -> None:
+    assert calls_of(' {"name": "add", "parameters": {"a": 1}}') == (None, [("add", {"a": 1})])
+    assert calls_of('{"name": "add", "arguments": "{\\"a\\": 2}"}') == (None, [("add", {"a": 2})])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "rm_rf", "parameters": {}}',  # not one of the request's tools
+        '{"name": "add", "parameters": {}, "extra": 1}',  # not a call's shape
+        '{"answer": 42}',  # plain JSON
+        '<tool_call>{"name": "add", "arguments": </tool_call>',  # broken JSON
+        "hello <tool_ca",  # a partial opener at the end
+        "no calls here",
+    ],
+)
+def test_text_that_is_not_a_call_is_content_unchanged(text: str) -> None:
+    assert calls_of(text) == (text, [])
+
+
+def test_a_block_cut_before_its_closing_tag_is_still_a_call() -> None:
+    assert calls_of('<tool_call>{"name": "add", "arguments": {}}') == (None, [("add", {})])
+
+
+def test_a_partial_opener_is_held_until_it_is_decided() -> None:
+    r = ToolText(NAMES)
+    assert r.feed("Hi <tool") == [("content", "Hi ")]
+    assert r.feed("_c") == []
+    assert r.feed("ar") == [("content", "<tool_car")]  # not an opener after all
+    assert r.feed(' <tool_call>{"name": "add", "arguments": {}}') == [("content", " ")]
+    out = r.feed("</tool_call>")
+    assert [k for k, _ in out] == ["call"]
+    assert r.finish() == []
+
+
+def test_an_answer_starting_with_a_brace_is_held_to_its_end() -> None:
+    r = ToolText(NAMES)
+    assert r.feed('{"name": "add",') == []
+    assert r.feed(' "arguments": {}}') == []
+    assert [k for k, _ in r.finish()] == ["call"]
+
+
+def _chunks(pieces: list[str], finish: str = "stop") -> list[dict[str, Any]]:
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {**base, "choices": [choice]}
+
+    return [
+        chunk({"role": "assistant"}),
+        *(chunk({"content": p}) for p in pieces),
+        chunk({}, finish),
+    ]
+
+
+def assemble(chunks: list[dict[str, Any]]) -> tuple[str | None, list[tuple[str, Any]], str]:
+    """What an OpenAI client builds from the deltas."""
+    content = ""
+    calls: dict[int, dict[str, str]] = {}
+    finish = ""
+    for c in chunks:
+        choice = c["choices"][0]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or []:
+            slot = calls.setdefault(tc["index"], {"name": "", "arguments": "", "id": ""})
+            slot["id"] += tc.get("id") or ""
+            slot["name"] += (tc.get("function") or {}).get("name") or ""
+            slot["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+        finish = choice["finish_reason"] or finish
+    out = [(v["name"], json.loads(v["arguments"])) for _, v in sorted(calls.items())]
+    for v in calls.values():
+        assert v["id"].startswith("call_")
+    return (content or None) if out else content, out, finish
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(HERMES)), max_size=12))
+def test_a_stream_cut_anywhere_assembles_to_the_whole_answer(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(HERMES)]
+    pieces = [HERMES[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    content, calls, finish = assemble(list(toolcalls.stream_with_calls(_chunks(pieces), NAMES)))
+    assert (content, calls) == calls_of(HERMES)
+    assert finish == "tool_calls"
+
+
+def test_a_stream_without_calls_keeps_its_text_and_finish_reason() -> None:
+    out = list(toolcalls.stream_with_calls(_chunks(["hello ", "<tool", " world"], "length"), NAMES))
+    assert assemble(out) == ("hello <tool world", [], "length")
+
+
+def test_the_whole_answer_gets_tool_calls_and_finish_reason() -> None:
+    resp = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": HERMES},
+                "finish_reason": "stop",
+            }
+        ]
+    }
+    out = toolcalls.answer_with_calls(resp, NAMES)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look.\n"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == NAMES
+    assert all(c["type"] == "function" for c in choice["message"]["tool_calls"])
+
+
+def test_forced_call_chunks_keep_id_and_name_in_the_first_only() -> None:
+    def chunk(arguments: str) -> dict[str, Any]:
+        call = {"index": 0, "id": "call_1", "type": "function"}
+        call["function"] = {"name": "add", "arguments": arguments}
+        delta = {"function_call": {"name": "add"}, "tool_calls": [call]}
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+    chunks = list(toolcalls.normalized_calls([chunk('{"a"'), chunk(": 1"), chunk("}")]))
+    assert assemble(chunks)[:2] == (None, [("add", {"a": 1})])
+    assert all("function_call" not in c["choices"][0]["delta"] for c in chunks)
+
+
+# --- what a request's tools mean for a model -------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES
+]
+
+
+def test_support_comes_from_the_template_or_a_function_calling_format() -> None:
+    tpl = {"chat_template.default": "{% if tools %}{{ tools | tojson }}{% endif %}"}
+    assert chat_tools.support("chat_template.default", tpl) == chat_tools.TEMPLATE
+    assert chat_tools.support("chatml-function-calling", {}) == chat_tools.HANDLER
+    assert chat_tools.support("chatml", tpl) is None
+    plain = {"chat_template.default": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    assert chat_tools.support("chat_template.default", plain) is None
+
+
+def test_auto_tools_on_a_model_without_support_are_refused_naming_tools() -> None:
+    for choice in (None, "auto"):
+        params: dict[str, Any] = {"messages": [], "tools": TOOLS}
+        if choice:
+            params["tool_choice"] = choice
+        with pytest.raises(ApiError) as e:
+            chat_tools.plan(params, None, "chatml", False)
+        assert e.value.status == 400
+        assert e.value.param == "tools"
+        assert "chatml-function-calling" in e.value.message
+
+
+def test_required_and_named_choices_work_without_template_support() -> None:
+    p = chat_tools.plan(
+        {"messages": [], "tools": TOOLS, "tool_choice": "required"}, None, "chatml", False
+    )
+    assert p.parse == frozenset(NAMES)
+    assert p.schema is not None and len(p.schema["anyOf"]) == 2
+    assert "tools" not in p.params and "tool_choice" not in p.params
+    named = {"type": "function", "function": {"name": "add"}}
+    p = chat_tools.plan(
+        {"messages": [], "tools": TOOLS, "tool_choice": named}, None, "chatml", True
+    )
+    assert p.forced == ("tools[1].function.parameters", {"type": "object"})
+    assert p.normalize and not p.parse
+
+
+def test_none_drops_the_tools_and_auto_parses_on_a_template() -> None:
+    p = chat_tools.plan(
+        {"messages": [], "tools": TOOLS, "tool_choice": "none"}, None, "chatml", False
+    )
+    assert p.params == {"messages": []}
+    p = chat_tools.plan({"messages": [], "tools": TOOLS}, chat_tools.TEMPLATE, "x", True)
+    assert p.params["tools"] == TOOLS and p.parse == frozenset(NAMES)

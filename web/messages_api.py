@@ -1,0 +1,170 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A Messages request is translated (``web.anthropic``) into a chat completions request and goes
+the same way as one (``openai_api.dispatch`` inside ``openai_api._admitted``: resolution,
+scopes, quotas, the in-flight cap, queues, policies, limits); its answer is translated back.
+Errors on these paths use Anthropic's envelope, ``{"type": "error", "error": {...}}``.
+
+count_tokens asks the model process for the tokens of the prompt the same request would give
+the model (``Kind.TOKENIZE``: its chat template rendered with the messages and tools, then
+tokenized; nothing is generated). It needs a model process: a model that is not loaded is
+loaded for it, as for any request (a key that may not load gets 409).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+from flask import Blueprint, Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from residency.errors import ApiError
+from residency.messages import REPORT_PARAM, Kind
+from web import anthropic, bus, openai_api, validation
+from web.body import read_json, too_large
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("anthropic", __name__, url_prefix="/v1")
+
+PATH = "/chat/completions"  # where a remote model gets the translated request
+
+
+def error_response(e: ApiError) -> Response:
+    resp = jsonify(anthropic.error_body(e))
+    resp.status_code = e.status
+    if e.retry_after is not None:
+        resp.headers["Retry-After"] = str(e.retry_after)
+    return resp
+
+
+@bp.errorhandler(ApiError)
+def _api(e: ApiError) -> Response:
+    return error_response(e)
+
+
+@bp.errorhandler(RequestEntityTooLarge)
+def _too_large(e: RequestEntityTooLarge) -> Response:
+    return error_response(too_large(g.get("body_limit") or request.max_content_length or 0))
+
+
+@bp.errorhandler(HTTPException)
+def _http(e: HTTPException) -> Response:
+    return error_response(ApiError(e.code or 500, e.description or e.name))
+
+
+@bp.errorhandler(redis.ConnectionError)
+@bp.errorhandler(redis.TimeoutError)
+def _storage(e: redis.RedisError) -> Response:
+    log.warning("Redis unavailable on %s %s: %s", request.method, request.path, e)
+    return error_response(bus.storage_unavailable(e))
+
+
+@bp.errorhandler(Exception)
+def _internal(e: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return error_response(ApiError(500, "internal server error", type="server_error"))
+
+
+@bp.after_request
+def _count(resp: Response) -> Response:
+    bus.REQUESTS.labels(g.get("model_label", openai_api.UNKNOWN_LABEL), str(resp.status_code)).inc()
+    return resp
+
+
+def _validated(
+    body: dict[str, Any], *, count: bool = False
+) -> tuple[dict[str, Any], validation.Validated]:
+    """The chat completions body ``body`` stands for (what a remote upstream gets), and its
+    validation (errors name the Messages fields)."""
+    chat = anthropic.to_chat(body, count=count)
+    try:
+        return chat, validation.validate_chat(chat)
+    except ApiError as e:
+        raise anthropic.renamed(e) from None
+
+
+@bp.post("/messages")
+def messages() -> Any:
+    return openai_api._admitted(_messages)
+
+
+def _messages() -> Any:
+    body = read_json()
+    chat, v = _validated(body)
+    # The stop string that ended the answer and, in a stream, the prompt's tokens up front.
+    v.params[REPORT_PARAM] = True
+    d = openai_api.dispatch(Kind.CHAT, PATH, v, chat)
+    model = v.model
+    headers = openai_api._headers(d.target)
+    if d.batches is not None:
+        return _stream(d.batches, model, d.abandon, headers)
+    assert d.result is not None
+    return jsonify(anthropic.to_message(d.result, model)), 200, headers
+
+
+@bp.post("/messages/count_tokens")
+def count_tokens() -> Any:
+    return openai_api._admitted(_count_tokens)
+
+
+def _count_tokens() -> Any:
+    body = read_json()
+    chat, v = _validated(body, count=True)
+    d = openai_api.dispatch(Kind.CHAT, PATH, v, chat, submit_as=Kind.TOKENIZE)
+    assert d.result is not None
+    return jsonify({"input_tokens": int(d.result["input_tokens"])})
+
+
+def _stream(
+    batches: Iterator[bus.Batch],
+    model: str,
+    on_abandon: Callable[[], None] | None,
+    headers: dict[str, str],
+) -> Response:
+    """Anthropic's events for a chat stream. As for chat: the first batch is pulled before
+    answering, so an error before any output gets its HTTP status; one after it comes as an
+    ``error`` event; a client that leaves stops the generation."""
+    events = anthropic.StreamEvents(model)
+    first = next(batches, None)
+
+    def render(b: bus.Batch) -> str:
+        out = []
+        for c in b.chunks:
+            evs = events.ping() if c is bus.KEEPALIVE else events.feed(c)
+            out += [anthropic.sse(e) for e in evs]
+        if b.last:
+            out += [anthropic.sse(e) for e in events.end()]
+        return "".join(out)
+
+    def body() -> Iterator[str]:
+        finished = False
+        try:
+            done = True
+            if first is not None:
+                yield render(first)
+                done = first.last
+                try:
+                    for b in batches:
+                        yield render(b)
+                        done = b.last
+                except ApiError as e:
+                    yield anthropic.sse(anthropic.error_body(e))
+                    done = True
+            if first is None or not done:
+                yield "".join(anthropic.sse(e) for e in events.end())
+            finished = True
+        finally:
+            if not finished:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+                if on_abandon is not None:
+                    on_abandon()
+
+    return Response(
+        body(), mimetype="text/event-stream", headers={**openai_api.SSE_HEADERS, **headers}
+    )
