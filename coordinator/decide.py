@@ -56,6 +56,11 @@ class ModelView:
     # its unload until its next load, so the slot it gave goes to that model first.
     yielding: str | None = None
     yielding_since: float | None = None
+    # Its spec's ``ttl_s`` (None or 0: never expires), and whether it is kept warm: ``preload``
+    # in its spec, or a router policy's candidate under ``pool.preload_candidates``. Kept warm
+    # wins: such a model never expires (its slot would only be taken back at the next pass).
+    ttl_s: float | None = None
+    preload: bool = False
 
     @property
     def busy(self) -> bool:
@@ -132,6 +137,7 @@ class Evict:
     token: str
     # "lru" (to admit a load) | "limit" (over the limit) | "deleted" | "admin" |
     # "helper_unused" (a routing helper no policy references any more) | "memory" (auto_evict)
+    # | "ttl" (idle for its ``ttl_s``) | "yield" (gave its slot to a waiting model)
     reason: str
 
 
@@ -281,6 +287,24 @@ def in_turn(m: ModelView, snap: Snapshot) -> bool:
     )
 
 
+def expired(m: ModelView, snap: Snapshot) -> bool:
+    """Whether ``m`` has sat unused for its ``ttl_s`` (a model kept warm never expires). Its
+    last use is its last request's end, or its load commit when it has served none."""
+    used = max(m.last_used, m.loaded_at or 0.0)
+    return bool(m.ttl_s) and not m.preload and used > 0 and snap.now - used >= (m.ttl_s or 0)
+
+
+def memory_pressed(snap: Snapshot) -> bool:
+    """Whether the memory backstop is on and some live device is above its threshold: then
+    nothing is preloaded (the backstop would evict it again, and the two would loop)."""
+    return snap.auto_evict and any(
+        used > snap.auto_evict_threshold
+        for w in snap.workers.values()
+        if w.alive
+        for used in w.memory.values()
+    )
+
+
 def lru_victims(models: Iterable[ModelView]) -> list[ModelView]:
     """Evictable residents, least recently used first: ready, idle and unpinned only."""
     ok = [m for m in models if m.state is ModelState.READY and not m.busy and not m.pinned]
@@ -345,6 +369,11 @@ def decide(snap: Snapshot) -> list[Action]:
         if m.explicit == "unload" and m.registered and m.state is ModelState.READY and not m.busy:
             actions.append(Evict(m.name, m.token, "admin"))
     evicting = {a.model for a in actions if isinstance(a, Evict)}
+    # Idle TTL: ready, idle and unpinned only, like any victim.
+    for m in lru_victims(v for v in live.values() if v.registered and v.name not in evicting):
+        if expired(m, snap):
+            actions.append(Evict(m.name, m.token, "ttl"))
+    evicting = {a.model for a in actions if isinstance(a, Evict)}
 
     if snap.auto_evict:
         actions += _memory_backstop(snap, live, evicting)
@@ -361,10 +390,13 @@ def decide(snap: Snapshot) -> list[Action]:
             failures = len(recent_failures(m, snap))
             actions.append(Backoff(m.name, until, failures, m.last_error or "unknown error"))
 
+    preloading = not memory_pressed(snap)
     types = sorted({m.type for m in snap.models.values()})
     for pool in POOLS:
         for typ in types:
-            actions += _decide_pool(snap, typ, pool, live, evicting, placement, backing_off)
+            actions += _decide_pool(
+                snap, typ, pool, live, evicting, placement, backing_off, preloading
+            )
     return actions
 
 
@@ -376,6 +408,7 @@ def _decide_pool(
     evicting: set[str],
     placement: _Placement,
     backing_off: set[str],
+    preloading: bool = True,
 ) -> list[Action]:
     out: list[Action] = []
     # Rule 2: routing helpers never take a standard slot, and their own pool has no cap.
@@ -466,6 +499,31 @@ def _decide_pool(
     for y in yielding_for.values():
         if y.name not in kept and y.name not in taken:
             out.append(Resume(y.name, y.token))
+
+    # Preload: a model kept warm takes a slot only when one is free once every real request
+    # has been served — it never evicts, waits for a draining slot, or makes a model yield.
+    # Evicted for a real request like any idle resident, it comes back when a slot frees.
+    if preloading and (limit == -1 or free > 0):
+        for m in sorted(snap.models.values(), key=lambda m: m.name):
+            if not (
+                m.preload
+                and m.type == typ
+                and m.pool == pool
+                and m.registered
+                and m.name not in waiting
+                and m.explicit != "unload"
+                and m.state in (ModelState.UNLOADED, ModelState.FAILED)
+                and m.name not in backing_off
+            ):
+                continue
+            if limit != -1 and free <= 0:
+                break
+            where = placement.choose(snap.workers.values())
+            if where is None:
+                break
+            out.append(Load(m.name, *where))
+            placement.add(*where)
+            free -= 1
 
     # Rule 4: a pool above its limit (the limit dropped) shrinks all the way, idle LRU first.
     if limit != -1:

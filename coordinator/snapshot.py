@@ -32,6 +32,10 @@ def _f(v: str | None) -> float | None:
     return float(v) if v not in (None, "") else None
 
 
+def _int(v: str | None) -> int | None:
+    return int(v) if v and v.isdigit() else None
+
+
 def _failures(
     raw: list[tuple[str, float]], h: dict[str, str], now: float
 ) -> tuple[tuple[float, ...], str | None]:
@@ -136,6 +140,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     floor = candidate_floor(pols, infos)
     helpers = helper_models(pols)
     auto = autosize(s, floor)
+    warm_candidates = floor.candidates if s.pool.preload_candidates else frozenset()
     # Remote models are forwarded by web and never resident: they have no place in the pool.
     entries = {n: e for n, e in entries.items() if not e.spec.remote}
     # Residents of models deleted from the registry are found through the set of models with
@@ -194,6 +199,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             failure_pending=_failure_pending(h),
             yielding=h.get("yielding") or None,
             yielding_since=_f(h.get("yielding_since")),
+            ttl_s=e.spec.ttl_s if e else None,
+            preload=e is not None and (e.spec.preload or n in warm_candidates),
         )
     workers: dict[str, WorkerView] = {}
     worker_hashes: dict[str, dict[str, str]] = {}
@@ -275,6 +282,9 @@ def health_record(
                 "yielding": (
                     {"for": m.yielding, "since": m.yielding_since} if m.is_yielding else None
                 ),
+                # Its memory as measured after its load, and the estimate for it (bytes).
+                "footprint_bytes": _int(h.get("footprint_bytes")),
+                "estimate_bytes": _int(h.get("estimate_bytes")),
             }
         )
     workers = []

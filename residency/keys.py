@@ -66,11 +66,21 @@ def model(name: str) -> str:
     model process's queue reads, which the coordinator unblocks), ``yielding`` and
     ``yielding_since`` (the waiting model it gives its slot to; kept until its next load),
     ``load_user`` and ``load_key`` (whose request caused its current load: its load time is
-    charged to them; set by ``start_load.lua``).
+    charged to them; set by ``start_load.lua``), ``footprint_bytes`` and ``estimate_bytes``
+    (its memory measured after its load and the estimate for it, see ``residency.footprint``;
+    absent when not measured).
     ``state`` and ``token`` are written only through the compare-and-set scripts in
     ``residency.lua`` (by the coordinator, the agent and the model process); the coordinator's
     other writes to it are fenced by its lease."""
     return f"{PREFIX}model:{name}"
+
+
+def footprint(name: str) -> str:
+    """hash, no TTL: the last measured footprint of a model, kept across its unloads so that the
+    next load can be counted for it: ``bytes``, ``estimate`` and ``spec`` (the
+    ``footprint.spec_digest`` it was measured under; another digest invalidates it). Written by
+    the model process after each committed load that it could measure."""
+    return f"{PREFIX}footprint:{name}"
 
 
 def model_pattern() -> str:

@@ -142,7 +142,7 @@ class RedisCollector(Collector):
         docs = {
             LOADS_TOTAL: "Model loads by outcome (ok, error)",
             EVICTIONS_TOTAL: "Evictions by reason (lru, limit, deleted, admin, helper_unused, "
-            "memory, yield)",
+            "memory, yield, ttl)",
             CANCELLED_TOTAL: "Streamed generations stopped because the client went away",
             CANCELLED_CHUNKS_TOTAL: "Chunks streamed by generations before they were cancelled",
             PASSES_TOTAL: "Coordinator enforcement passes by what woke them (config, idle, "

@@ -150,6 +150,12 @@ class PoolSettings(_Strict):
         ge=0,
         le=86400,
     )
+    preload_candidates: bool = _key(
+        False,
+        LIVE,
+        "keep the router policies' local LLM candidates warm like preload models: each is "
+        "loaded whenever the pool has a free slot (never evicting for it)",
+    )
 
     @field_validator("max_loaded_models")
     @classmethod
@@ -245,6 +251,12 @@ class ModelSpec(_Strict):
     # time.
     parallel: int | None = Field(None, ge=1, le=256)
     pinned: bool = False
+    # Read by the coordinator on every pass (live). ttl_s: a ready, idle, unpinned resident
+    # unused this long is evicted (None or 0: never). preload: loaded whenever its pool has a
+    # free slot, never evicting anything for it. The two are exclusive: a model kept warm never
+    # expires.
+    ttl_s: float | None = Field(None, ge=0, le=31_536_000)
+    preload: bool = False
 
     @field_validator("api_key_env")
     @classmethod
@@ -265,6 +277,13 @@ class ModelSpec(_Strict):
             raise ValueError("'max_tokens' applies to local models only")
         if self.base_url is not None and self.parallel is not None:
             raise ValueError("'parallel' applies to local models only")
+        if self.base_url is not None and (self.ttl_s or self.preload):
+            raise ValueError("'ttl_s' and 'preload' apply to local models only")
+        if self.ttl_s and self.preload:
+            raise ValueError(
+                "'ttl_s' and 'preload' are exclusive: a preload model is kept warm, so it never "
+                "expires (set ttl_s = 0 or preload = false)"
+            )
         return self
 
     @property

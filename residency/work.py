@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Container
 from dataclasses import replace
 from typing import Any, cast
 
@@ -81,6 +82,8 @@ def hand_back(
     lease: str | None = None,
     token: str = "",
     fail: ApiError | None = None,
+    only: Container[str] | None = None,
+    announce: bool = True,
 ) -> dict[str, int]:
     """After a model process died or was stopped: requeue its in-flight requests that produced
     no output yet, answer the others with an error, and ask the coordinator to re-plan.
@@ -89,7 +92,9 @@ def hand_back(
     error naming the crash instead of being requeued. ``lease``: the coordinator leader's token
     (it reaps); every write is then fenced by it (NotLeader when deposed). ``fail``: answer
     every in-flight request with this error instead (the process was killed because its
-    generation hung: requeueing would hang the next process too)."""
+    generation hung: requeueing would hang the next process too). ``only``: hand back just
+    these items (a live process's orphans); ``announce``: tell the coordinator the process is
+    gone (not when it lives on)."""
     counts = {"requeued": 0, "refused": 0, "failed": 0, "gone": 0}
     err = ApiError(
         503,
@@ -107,6 +112,8 @@ def hand_back(
     ).to_reply()
     failed = fail.to_reply() if fail is not None else None
     for raw in cast(list[str], r.lrange(keys.processing(model), 0, -1)):
+        if only is not None and raw not in only:
+            continue
         try:
             req = Request.loads(raw)
         except (ValueError, KeyError):
@@ -128,10 +135,12 @@ def hand_back(
             lease=lease,
         )
         counts[res] += 1
-    # A crash with its load token counts toward the model's crash loop (coordinator.failures).
-    data = {"reason": reason, **({"crashed": True, "token": token} if crashed and token else {})}
-    gone = Event(EventType.GONE, model, data).to_dict()
-    _writes(r, scripts, lease).rpush(keys.events(), json.dumps(gone)).execute()
+    if announce:
+        # A crash with its load token counts toward the model's crash loop
+        # (coordinator.failures).
+        crash = {"crashed": True, "token": token} if crashed and token else {}
+        gone = Event(EventType.GONE, model, {"reason": reason, **crash}).to_dict()
+        _writes(r, scripts, lease).rpush(keys.events(), json.dumps(gone)).execute()
     if counts["requeued"] or counts["failed"] or counts["refused"]:
         log.warning("model %s gone (%s): %s", model, reason, counts)
     return counts

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from residency import keys, metrics, registry
+from residency import keys, metrics, registry, work
 from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -29,6 +29,7 @@ from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, 
 from residency.settings import ModelSpec
 from residency.states import ModelState
 from residency.work import add_reply
+from workers import memory
 from workers.completion import REPORT, OnUsage
 from workers.faults import FaultyRuntime
 from workers.gate import Gate, Reason, Stopped, Watcher
@@ -79,6 +80,9 @@ class ModelProcess:
         self.limits_generation = limits_generation
         self._idle_event = Event(EventType.IDLE, model).to_dict()
         self._next_check = 0.0
+        # Raw items of the requests its threads serve (added before a thread gets one, removed
+        # after its finish): anything else on its processing list is an orphan.
+        self._in_flight: set[str] = set()
         # Started by serve(): reads the current request's cancel flag and writes progress.
         self.watcher = Watcher(r, model)
         self.parallel = 1  # slots, known once loaded
@@ -121,6 +125,10 @@ class ModelProcess:
             # Stopped while loading: commit nothing; the agent hands the waiting work back.
             log.info("%s: stopped during its load; not committing it", self.model)
             return False
+        # Its memory as loaded, and what residency.footprint expected of it (after the load's
+        # seconds are taken: neither counts in them).
+        footprint_bytes = memory.measured(self.device)
+        estimate_bytes = memory.estimated(self.spec, self.device, self.parallel)
         now = time.time()
         # The blocking connection of the queue reads, made now so that its id is published
         # with the state: a stop unblocks it from inside, an eviction from the coordinator.
@@ -150,6 +158,8 @@ class ModelProcess:
                     "load_seconds": round(seconds, 4),
                     "last_used": now,
                     "loading_since": None,
+                    "footprint_bytes": footprint_bytes,
+                    "estimate_bytes": estimate_bytes,
                 },
             ),
         )
@@ -164,6 +174,18 @@ class ModelProcess:
         metrics.observe(pipe, metrics.LOAD_SECONDS, {"model": self.model}, seconds)
         if res == "recheck":
             metrics.inc(pipe, metrics.RECHECKS_TOTAL, {"model": self.model})
+        digest = memory.digest(self.spec, self.device, self.parallel)
+        if footprint_bytes is not None and digest is not None:
+            # Outlives the unload: the next load of the same spec is counted for what this one
+            # measured rather than for the estimate.
+            pipe.hset(
+                keys.footprint(self.model),
+                mapping={
+                    "bytes": footprint_bytes,
+                    "estimate": estimate_bytes or "",
+                    "spec": digest,
+                },
+            )
         self.retrying("count the load", pipe.execute)
         log.info("%s ready on %s in %.3fs", self.model, self.device, seconds)
         return True
@@ -225,6 +247,7 @@ class ModelProcess:
             if raw is None:
                 self._free.release()
             else:
+                self._in_flight.add(raw)
                 self._pool.submit(self._serve_request, raw)
         if self.check_control() == "unloaded":
             return True
@@ -233,7 +256,22 @@ class ModelProcess:
             if not self.owns_state():
                 log.warning("%s: state no longer ours; exiting", self.model)
                 return True
+            self.hand_back_orphans()
         return False
+
+    def hand_back_orphans(self) -> None:
+        """Requests on this model's processing list that none of its threads serves: only a
+        Redis that came back from an older persisted state (a kill between fsyncs) puts them
+        there — e.g. one whose finish was lost. Nothing else would ever take them off (the
+        agent hands back only a dead process's list), so they are handed back like a dead
+        process's: requeued if they produced no output yet, else answered with an error."""
+        items = cast(list[str], self.r.lrange(keys.processing(self.model), 0, -1))
+        orphans = {raw for raw in items if raw not in self._in_flight}
+        if orphans:
+            counts = work.hand_back(
+                self.r, self.scripts, self.model, "orphaned", only=orphans, announce=False
+            )
+            log.warning("%s: requests on its processing list nobody served: %s", self.model, counts)
 
     def owns_state(self) -> bool:
         state, token = cast(
@@ -298,6 +336,7 @@ class ModelProcess:
             # request stays on the processing list for the agent to hand back.
             log.exception("%s: request left unfinished", self.model)
         finally:
+            self._in_flight.discard(raw)
             self._free.release()
 
     def handle(self, raw: str) -> None:

@@ -12,7 +12,7 @@ redis.call('HSET', KEYS[1], 'token', ARGV[2], 'host', ARGV[3], 'device', ARGV[4]
            'loading_since', ARGV[5], 'pool', ARGV[8])
 -- A model loaded again starts not yielding (the mark of its last yield has served its turn).
 redis.call('HDEL', KEYS[1], 'pid', 'error', 'loaded_at', 'load_seconds', 'yielding',
-           'yielding_since', 'load_user', 'load_key')
+           'yielding_since', 'load_user', 'load_key', 'footprint_bytes', 'estimate_bytes')
 -- The load is charged to whoever asked for it: the user (and key) of the request it is
 -- started for, the next one the queue serves. Recorded here, in the step that starts it, so the
 -- model process charges its load time to them when it commits (an admin's load of an empty

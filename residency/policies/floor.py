@@ -14,6 +14,7 @@ class Floor:
     floor: int  # distinct local llm candidates over all policies (union, not sum)
     per_policy: dict[str, int]  # per policy: its distinct local candidates
     unresolved: list[tuple[str, str]]  # (policy, candidate) not registered: counted as local
+    candidates: frozenset[str] = frozenset()  # the union itself (what preload_candidates warms)
 
 
 def candidate_floor(policies: Mapping[str, Policy], models: Mapping[str, ModelInfo]) -> Floor:
@@ -36,7 +37,7 @@ def candidate_floor(policies: Mapping[str, Policy], models: Mapping[str, ModelIn
             mine.add(cand)
         per[pname] = len(mine)
         union |= mine
-    return Floor(len(union), per, unresolved)
+    return Floor(len(union), per, unresolved, frozenset(union))
 
 
 def helper_models(policies: Mapping[str, Policy]) -> set[str]:

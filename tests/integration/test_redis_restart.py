@@ -113,3 +113,37 @@ def _try_hdel_hold(pool: Pool) -> bool:
         return True
     except Exception:
         return False
+
+
+def test_a_request_left_on_a_live_processs_list_is_handed_back(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """A Redis killed between fsyncs comes back from an older state: a request whose finish was
+    lost sits on the processing list of a model process that is alive and serves nothing of
+    it. Nothing else takes it off (the agent hands back only a dead process's list): the
+    process hands it back itself — requeued, served, and the list is empty again; the process
+    lives on."""
+    from residency.messages import Kind, Request, new_request_id
+
+    pool = start_pool()
+    c = create_app(pool.box).test_client()
+    assert chat(c, "a").status_code == 200
+    pid = pool.pid("a")
+    assert pool.r.llen(keys.processing("a")) == 0
+    # What the older state brings back: a request "in flight" that no thread of it serves.
+    orphan = Request(
+        new_request_id(),
+        Kind.CHAT,
+        "a",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        False,
+        0.0,
+    )
+    pool.r.lpush(keys.processing("a"), orphan.dumps())
+    pool.wait_for(lambda: pool.r.llen(keys.processing("a")) == 0, what="orphan handed back")
+    # Requeued (it had no output) and served: its reply is complete.
+    pool.wait_for(
+        lambda: any(f.get("t") == "done" for _, f in pool.r.xrange(keys.reply(orphan.id))),
+        what="the orphan served",
+    )
+    assert pool.pid("a") == pid and pool.state("a") == "ready"
