@@ -657,6 +657,7 @@ class Scripts:
                     keys.service(model),
                     keys.queue_tags(model),
                     keys.queue_finish(model),
+                    keys.footprint(model),
                 ],
                 [lease, model, ",".join(sorted(s.value for s in OCCUPYING))],
             )

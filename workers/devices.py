@@ -121,6 +121,11 @@ def child_env(device: str, base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def is_cpu(device: str) -> bool:
+    """``cpu``, or ``cpu:0-3`` (a CPU device naming its cores)."""
+    return device == "cpu" or device.startswith("cpu:")
+
+
 def cpu_affinity(device: str) -> set[int] | None:
     """``cpu:0-3+6`` → {0, 1, 2, 3, 6}: a CPU device may name the cores its model may use
     (set with RESIDENCY_DEVICES); plain ``cpu`` and GPUs keep the agent's affinity."""
@@ -141,7 +146,7 @@ DEFAULT_PARALLEL = {"cpu": 4, "gpu": 8}
 
 
 def default_parallel(device: str) -> int:
-    return DEFAULT_PARALLEL["cpu" if device.split(":")[0] == "cpu" else "gpu"]
+    return DEFAULT_PARALLEL["cpu" if is_cpu(device) else "gpu"]
 
 
 def default_threads(affinity: set[int] | None = None) -> int:

@@ -329,7 +329,7 @@ class LlamaRuntime:
         self._llm = (llama_cpp.Llama if embedding else _batched_llama())(
             model_path=spec.path,
             # A CPU device never offloads, whatever the spec asks for a GPU host.
-            n_gpu_layers=spec.n_gpu_layers if device != "cpu" else 0,
+            n_gpu_layers=0 if devices.is_cpu(device) else spec.n_gpu_layers,
             # Unset: one thread per core this process may run on (llama-cpp-python's default
             # is half the machine's cores).
             n_threads=spec.n_threads or devices.default_threads(),

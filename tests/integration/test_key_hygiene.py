@@ -89,6 +89,7 @@ def test_a_deleted_models_keys_go_once_it_holds_nothing(
     r.rpush(keys.control("old"), json.dumps({"op": "unload", "token": "T0"}))
     r.set(keys.progress("old"), clock.now, ex=3600)
     r.set(keys.service("old"), "0.5", ex=3600)
+    r.hset(keys.footprint("old"), mapping={"bytes": 1, "estimate": 1, "spec": "x"})
     plant_model(r, "queued-old", state="unloaded")
     queue(r, "queued-old", clock.now)
     # "a" is registered: its hash stays even though it is unloaded.

@@ -23,6 +23,13 @@ def test_child_env_pins_exactly_one_gpu_or_none() -> None:
     assert devices.child_env("cpu", base)["PATH"] == "/bin"
 
 
+def test_a_cpu_device_naming_its_cores_is_a_cpu() -> None:
+    # A model on cpu:0-3 must never offload to a GPU the build can see (n_gpu_layers -> 0).
+    assert devices.is_cpu("cpu") and devices.is_cpu("cpu:0-3") and devices.is_cpu("cpu:2+5")
+    assert not devices.is_cpu("cuda:0") and not devices.is_cpu("cpuish")
+    assert devices.default_parallel("cpu:0-3") == devices.DEFAULT_PARALLEL["cpu"]
+
+
 def test_cpu_affinity() -> None:
     assert devices.cpu_affinity("cpu") is None
     assert devices.cpu_affinity("cuda:0") is None
