@@ -141,30 +141,22 @@ def _stream(
         return "".join(out)
 
     def body() -> Iterator[str]:
-        finished = False
-        try:
-            done = True
-            if first is not None:
-                yield render(first)
-                done = first.last
-                try:
-                    for b in batches:
-                        yield render(b)
-                        done = b.last
-                except ApiError as e:
-                    yield anthropic.sse(anthropic.error_body(e))
-                    done = True
-            if first is None or not done:
-                yield "".join(anthropic.sse(e) for e in events.end())
-            finished = True
-        finally:
-            if not finished:
-                close = getattr(batches, "close", None)
-                if close is not None:
-                    close()
-                if on_abandon is not None:
-                    on_abandon()
+        done = True
+        if first is not None:
+            yield render(first)
+            done = first.last
+            try:
+                for b in batches:
+                    yield render(b)
+                    done = b.last
+            except ApiError as e:
+                yield anthropic.sse(anthropic.error_body(e))
+                done = True
+        if first is None or not done:
+            yield "".join(anthropic.sse(e) for e in events.end())
 
     return Response(
-        body(), mimetype="text/event-stream", headers={**openai_api.SSE_HEADERS, **headers}
+        openai_api.abandon_on_exit(body(), batches, on_abandon),
+        mimetype="text/event-stream",
+        headers={**openai_api.SSE_HEADERS, **headers},
     )

@@ -252,32 +252,41 @@ def _stream_response(
         return "".join(out)
 
     def events() -> Iterator[str]:
-        finished = False
-        try:
-            if first is None:
+        if first is None:
+            yield _DONE
+        else:
+            yield render(first, t.trace)
+            done = first.last
+            try:
+                for b in batches:
+                    yield render(b)
+                    done = b.last
+            except ApiError as e:
+                yield _sse(e.envelope())
+            if not done:
                 yield _DONE
-            else:
-                yield render(first, t.trace)
-                done = first.last
-                try:
-                    for b in batches:
-                        yield render(b)
-                        done = b.last
-                except ApiError as e:
-                    yield _sse(e.envelope())
-                if not done:
-                    yield _DONE
-            finished = True
-        finally:
-            # GeneratorExit here means the client went away: stop the generation.
-            if not finished:
-                close = getattr(batches, "close", None)
-                if close is not None:
-                    close()
-                if on_abandon is not None:
-                    on_abandon()
 
-    return Response(events(), mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
+    body = abandon_on_exit(events(), batches, on_abandon)
+    return Response(body, mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
+
+
+def abandon_on_exit(
+    body: Iterator[str], batches: Iterator[Any], on_abandon: Callable[[], None] | None
+) -> Iterator[str]:
+    """A stream's body that stops its generation when it does not end normally: its client
+    went away (the WSGI server closes it: GeneratorExit) or it failed — ``batches`` is closed
+    and ``on_abandon`` called (withdraw the request, or close a remote's stream)."""
+    finished = False
+    try:
+        yield from body
+        finished = True
+    finally:
+        if not finished:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+            if on_abandon is not None:
+                on_abandon()
 
 
 def _headers(t: Target, base: Mapping[str, str] | None = None) -> dict[str, str]:

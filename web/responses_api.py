@@ -20,7 +20,15 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from web import bus, validation
 from web.body import read_json
-from web.openai_api import SSE_HEADERS, UNKNOWN_LABEL, Target, _admitted, _headers, dispatch
+from web.openai_api import (
+    SSE_HEADERS,
+    UNKNOWN_LABEL,
+    Target,
+    _admitted,
+    _headers,
+    abandon_on_exit,
+    dispatch,
+)
 from web.responses_output import Events, Meta, from_chat, new_id
 from web.responses_request import to_chat
 
@@ -84,25 +92,16 @@ def _stream(
         return "".join(out)
 
     def events() -> Iterator[str]:
-        finished = False
+        head = "".join(map(_sse, tr.start()))
         try:
-            head = "".join(map(_sse, tr.start()))
-            try:
-                yield head + (render(first) if first is not None else "")
-                for b in batches:
-                    yield render(b)
-                end = tr.finish()  # a remote's stream ends without a last batch
-            except ApiError as e:
-                end = tr.fail(e.envelope()["error"])
-            if end:
-                yield "".join(map(_sse, end))
-            finished = True
-        finally:
-            # GeneratorExit here means the client went away: stop the generation.
-            if not finished:
-                close = getattr(batches, "close", None)
-                if close is not None:
-                    close()
-                on_abandon()
+            yield head + (render(first) if first is not None else "")
+            for b in batches:
+                yield render(b)
+            end = tr.finish()  # a remote's stream ends without a last batch
+        except ApiError as e:
+            end = tr.fail(e.envelope()["error"])
+        if end:
+            yield "".join(map(_sse, end))
 
-    return Response(events(), mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
+    body = abandon_on_exit(events(), batches, on_abandon)
+    return Response(body, mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
