@@ -11,7 +11,6 @@ the last good settings: the box keeps serving, and ``/health`` names the problem
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import threading
@@ -205,15 +204,6 @@ class State:
             except RuntimeError:
                 return None  # not created yet: look again on the next call
         return self._admin_key
-
-    def is_admin(self, authorization: str | None) -> bool:
-        key = self.admin_key()
-        if not key or not authorization:
-            return False
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def state() -> State:
