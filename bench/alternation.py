@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,19 +317,23 @@ def run_peer(tmp: Path, paths: dict[str, Path], n: int) -> Result:
     return res
 
 
-def lru_misses(n: int, slots: int) -> int:
+def lru_loads(seq: Sequence[str], capacity: int) -> int:
+    """Loads an LRU cache of ``capacity`` models makes over the request sequence ``seq``."""
     resident: list[str] = []
-    misses = 0
-    for i in range(n):
-        name = candidate(i)
+    loads = 0
+    for name in seq:
         if name in resident:
             resident.remove(name)
         else:
-            misses += 1
-            if len(resident) >= slots:
+            loads += 1
+            if len(resident) >= capacity:
                 resident.pop(0)
         resident.append(name)
-    return misses
+    return loads
+
+
+def lru_misses(n: int, slots: int) -> int:
+    return lru_loads([candidate(i) for i in range(n)], slots)
 
 
 def run_llama_server(binary: Path, tmp: Path, models_dir: Path, n: int, slots: int) -> Result:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from residency import keys
+from coordinator.room import Room, Where
+from residency import footprint, keys
 from residency.states import OCCUPYING, ModelState
 
 STANDARD = "standard"
@@ -61,6 +62,25 @@ class ModelView:
     # wins: such a model never expires (its slot would only be taken back at the next pass).
     ttl_s: float | None = None
     preload: bool = False
+    # Memory: the bytes it holds in its device's ledger while it holds a slot (measured after
+    # its load; None before: then it is counted for ``need_on`` its device), and what a load of
+    # it takes per device kind ("cpu", "cuda"): measured at its last load of the same spec
+    # there, else estimated from its GGUF header. A kind it lacks is counted as 0 bytes.
+    held_bytes: int | None = None
+    need_bytes: tuple[tuple[str, int], ...] = ()
+    # Where its last load ran (kept after its unload): a reload goes there when it fits.
+    last_host: str | None = None
+    last_device: str | None = None
+
+    def need_on(self, device: str) -> int:
+        return dict(self.need_bytes).get(footprint.device_kind(device), 0)
+
+    @property
+    def bytes_held(self) -> int:
+        """Its bytes in the ledger of the device it occupies."""
+        if self.held_bytes is not None:
+            return self.held_bytes
+        return self.need_on(self.device) if self.device else 0
 
     @property
     def busy(self) -> bool:
@@ -95,6 +115,12 @@ class WorkerView:
     # ``children_at`` (host clock). None: this agent does not report them.
     children: dict[str, str] | None = None
     children_at: float | None = None
+    # Bytes each device may hold in loaded models (``[worker] device_budget_mb``, or its total
+    # less a reserve); a device missing here, or None, has no byte limit.
+    budgets: dict[str, int | None] = field(default_factory=dict)
+    # Its agent's last heartbeat (host clock; ``keys.hosts_seen``, which outlives the record):
+    # a gone host is forgotten ``worker.forget_after_s`` after it. None: never recorded.
+    last_seen: float | None = None
 
     def runs(self, m: ModelView) -> bool:
         """Whether the report shows a process for this load of ``m``."""
@@ -137,6 +163,7 @@ class Evict:
     token: str
     # "lru" (to admit a load) | "limit" (over the limit) | "deleted" | "admin" |
     # "helper_unused" (a routing helper no policy references any more) | "memory" (auto_evict)
+    # | "room" (its bytes make room on its device for a load)
     # | "ttl" (idle for its ``ttl_s``) | "yield" (gave its slot to a waiting model)
     reason: str
 
@@ -146,7 +173,11 @@ class Reject:
     """Answer the model's queued requests with an error (nothing can make room)."""
 
     model: str
-    code: str  # "slots_pinned"
+    # "slots_pinned" | "too_large" (its bytes exceed every live device's budget: ``need`` and
+    # the largest budget ``largest`` say by how much)
+    code: str
+    need: int = 0
+    largest: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,7 +229,9 @@ class Wait:
     model: str
     # "no_worker" | "slot_draining" | "evicting" | "all_busy" | "yielding" (a busy resident is
     # finishing its work to give this model its slot) | "in_turn" (an idle resident keeps its
-    # slot a moment longer: see ``in_turn``)
+    # slot a moment longer: see ``in_turn``) | "room_draining" (the bytes it needs free once
+    # residents already leaving are gone) | "no_room" (no device has its bytes free, and the
+    # residents that would make room are busy, pinned or in their turn)
     reason: str
 
 
@@ -218,7 +251,7 @@ def waits_for_idle(actions: Iterable[Action], snap: Snapshot) -> bool:
     processes must report their busy -> idle edges (else the periodic pass suffices)."""
     for a in actions:
         if isinstance(a, Blocked | Yield) or (
-            isinstance(a, Wait) and a.reason in ("all_busy", "yielding")
+            isinstance(a, Wait) and a.reason in ("all_busy", "yielding", "no_room")
         ):
             return True
     return any(
@@ -311,29 +344,32 @@ def lru_victims(models: Iterable[ModelView]) -> list[ModelView]:
     return sorted(ok, key=lambda m: (m.last_used, m.name))
 
 
-@dataclass
-class _Placement:
-    """Counts of occupying models per host and device, updated as loads are planned."""
+def room_of(snap: Snapshot) -> Room:
+    """The ledger of the live devices, before this pass plans anything: each occupying model on
+    a live host is counted on its device (a draining one as leaving)."""
+    room = Room()
+    for w in sorted(snap.workers.values(), key=lambda w: w.host):
+        if w.alive:
+            for d in w.devices:
+                room.device(w.host, d, w.budgets.get(d))
+    for m in snap.models.values():
+        if not m.occupying or m.host is None or m.device is None:
+            continue
+        if (m.host, m.device) in room.budgets:  # on a live host (a gone one's is reaped)
+            room.add(m.host, m.device, m.name, m.bytes_held)
+            if m.state is ModelState.DRAINING:
+                room.release(m.name)
+    return room
 
-    per_host: dict[str, int] = field(default_factory=dict)
-    per_device: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def add(self, host: str, device: str) -> None:
-        self.per_host[host] = self.per_host.get(host, 0) + 1
-        self.per_device[(host, device)] = self.per_device.get((host, device), 0) + 1
-
-    def choose(self, workers: Iterable[WorkerView]) -> tuple[str, str] | None:
-        alive = [w for w in workers if w.alive and w.devices]
-        if not alive:
-            return None
-        w = min(alive, key=lambda w: (self.per_host.get(w.host, 0), w.host))
-        dev = min(w.devices, key=lambda d: (self.per_device.get((w.host, d), 0), d))
-        return w.host, dev
+def _place(snap: Snapshot, room: Room, m: ModelView) -> Where | None:
+    prefer = (m.last_host, m.last_device) if m.last_host and m.last_device else None
+    return room.choose(sorted(room.budgets), m.need_on, prefer)
 
 
 def decide(snap: Snapshot) -> list[Action]:
     actions: list[Action] = []
-    placement = _Placement()
+    room = room_of(snap)
     alive_hosts = {h for h, w in snap.workers.items() if w.alive}
     live: dict[str, ModelView] = {}
 
@@ -354,8 +390,9 @@ def decide(snap: Snapshot) -> list[Action]:
             actions.append(Reap(m.name, m.token, why))
             continue
         live[m.name] = m
-        if m.host is not None and m.device is not None:
-            placement.add(m.host, m.device)
+    for a in actions:  # a reaped model's memory is freed with its process
+        if isinstance(a, Reap):
+            room.release(a.model)
 
     for m in lru_victims(v for v in live.values() if not v.registered):
         actions.append(Evict(m.name, m.token, "deleted"))
@@ -378,6 +415,8 @@ def decide(snap: Snapshot) -> list[Action]:
     if snap.auto_evict:
         actions += _memory_backstop(snap, live, evicting)
         evicting = {a.model for a in actions if isinstance(a, Evict)}
+    for name in evicting:
+        room.release(name)
 
     # A model in a crash loop is not loaded again: its waiting requests get the cause at once,
     # and it never takes a slot (or evicts a resident) meanwhile.
@@ -394,9 +433,7 @@ def decide(snap: Snapshot) -> list[Action]:
     types = sorted({m.type for m in snap.models.values()})
     for pool in POOLS:
         for typ in types:
-            actions += _decide_pool(
-                snap, typ, pool, live, evicting, placement, backing_off, preloading
-            )
+            actions += _decide_pool(snap, typ, pool, live, evicting, room, backing_off, preloading)
     return actions
 
 
@@ -406,7 +443,7 @@ def _decide_pool(
     pool: str,
     live: dict[str, ModelView],
     evicting: set[str],
-    placement: _Placement,
+    room: Room,
     backing_off: set[str],
     preloading: bool = True,
 ) -> list[Action]:
@@ -437,7 +474,7 @@ def _decide_pool(
     )
     # Slots already on their way out (draining, or chosen above because deleted) are counted
     # as freeing: a wanted model waits for one rather than evicting another resident.
-    freeing = sum(1 for m in occupying if m.state is ModelState.DRAINING or m.name in evicting)
+    freeing = sum(1 for m in occupying if m.name in room.going)
     free = len(wanted) if limit == -1 else limit - len(occupying)
     victims = [v for v in lru_victims(occupying) if v.name not in evicting]
     # Fairness: at most one resident of a pool yields at a time (a draining one included); a
@@ -459,19 +496,24 @@ def _decide_pool(
 
     for w in wanted:
         if free > 0:
-            where = placement.choose(snap.workers.values())
+            where = _place(snap, room, w)
             if where is None:
-                out.append(Wait(w.name, "no_worker"))
+                out += _make_room(snap, room, w, live)
                 continue
             out.append(Load(w.name, *where))
-            placement.add(*where)
+            room.add(*where, w.name, w.need_on(where[1]))
             free -= 1
         elif freeing > 0:
             freeing -= 1
             out.append(Wait(w.name, "slot_draining"))
-        elif (v := next((v for v in victims if not in_turn(v, snap)), None)) is not None:
+        elif (
+            v := next(
+                (v for v in victims if not in_turn(v, snap) and v.name not in room.going), None
+            )
+        ) is not None:
             victims.remove(v)
             taken.add(v.name)
+            room.release(v.name)
             out.append(Evict(v.name, v.token, "lru"))
             out.append(Wait(w.name, "evicting"))
         elif occupying and all(m.pinned for m in occupying):
@@ -484,6 +526,7 @@ def _decide_pool(
             if y.name in taken:  # idle, and already evicted for an older waiter
                 out.append(Wait(w.name, "all_busy"))
             elif y.in_flight == 0:
+                room.release(y.name)
                 out.append(Evict(y.name, y.token, "yield"))
                 out.append(Wait(w.name, "evicting"))
             else:
@@ -518,22 +561,69 @@ def _decide_pool(
                 continue
             if limit != -1 and free <= 0:
                 break
-            where = placement.choose(snap.workers.values())
+            where = _place(snap, room, m)
             if where is None:
-                break
+                continue  # no device has its bytes free: a preload never evicts
             out.append(Load(m.name, *where))
-            placement.add(*where)
+            room.add(*where, m.name, m.need_on(where[1]))
             free -= 1
 
     # Rule 4: a pool above its limit (the limit dropped) shrinks all the way, idle LRU first.
     if limit != -1:
         over = len(occupying) - freeing - limit
+        victims = [v for v in victims if v.name not in room.going]
         while over > 0 and victims:
             v = victims.pop(0)
+            room.release(v.name)
             out.append(Evict(v.name, v.token, "limit"))
             over -= 1
         if over > 0 and any(m.busy and not m.pinned for m in occupying):
             out.append(Blocked(typ, over))
+    return out
+
+
+def _make_room(
+    snap: Snapshot, room: Room, w: ModelView, live: dict[str, ModelView]
+) -> list[Action]:
+    """``w`` fits on no device as things stand: evict idle residents on the one device where the
+    fewest of them make room for its bytes, least valuable first (``eviction_score``: idle
+    longest per second of reload). A load is never started where it does not fit."""
+    if not room.budgets:
+        return [Wait(w.name, "no_worker")]
+    budgets = {where: b for where, b in room.budgets.items()}
+    if all(b is not None and w.need_on(where[1]) > b for where, b in budgets.items()):
+        largest = max(b or 0 for b in budgets.values())
+        return [Reject(w.name, "too_large", need=max(dict(w.need_bytes).values()), largest=largest)]
+    plans: list[tuple[int, float, Where, list[ModelView]]] = []
+    for where, budget in sorted(budgets.items()):
+        need = w.need_on(where[1])
+        if budget is None or need > budget:
+            continue
+        short = need - (budget - room.used(where)) - room.freeing(where)
+        chosen: list[ModelView] = []
+        if short > 0:
+            here = [
+                m
+                for m in lru_victims(live.values())
+                if (m.host, m.device) == where and m.name not in room.going and not in_turn(m, snap)
+            ]
+            here.sort(key=lambda m: (-eviction_score(m, snap.now), m.name))
+            for m in here:
+                if short <= 0:
+                    break
+                chosen.append(m)
+                short -= m.bytes_held
+        if short <= 0:
+            lost = sum(1.0 / max(eviction_score(m, snap.now), 1e-9) for m in chosen)
+            plans.append((len(chosen), lost, where, chosen))
+    if not plans:
+        return [Wait(w.name, "no_room")]
+    _, _, where, chosen = min(plans, key=lambda p: (p[0], p[1], p[2]))
+    out: list[Action] = []
+    for m in chosen:
+        room.release(m.name)
+        out.append(Evict(m.name, m.token, "room"))
+    out.append(Wait(w.name, "evicting" if chosen else "room_draining"))
     return out
 
 
@@ -607,22 +697,38 @@ def _memory_backstop(
 
 @dataclass(frozen=True)
 class Forget:
-    """Keys nobody needs any more: hosts that are gone and hold no model any more (their worker
-    record, command lists and membership of the host set), and models deleted from the registry
-    that hold no slot and have no work (their state hash, control list and failure window)."""
+    """Keys nobody needs any more: hosts that are gone, hold no model any more and were last
+    seen at or before ``seen_before`` (their worker record, command lists, last sighting and
+    membership of the host set), and models deleted from the registry that hold no slot and
+    have no work (their state hash, control list and failure window). ``seen_before`` None: a
+    host goes whenever it was last seen (``forget_after_s`` = 0); its script re-checks it, so a
+    host that beat again meanwhile is kept."""
 
     hosts: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
+    seen_before: float | None = None
 
 
-def forgettable(snap: Snapshot) -> Forget:
+def forgettable(snap: Snapshot, forget_after_s: float = 0.0) -> Forget:
     """What the pruning step may delete, judged from the snapshot; each deletion re-checks its
-    condition in its own script (a host may come back, a model be registered again)."""
+    condition in its own script (a host may come back, a model be registered again).
+
+    A gone host (record expired) whose models were all reaped is listed as gone until it has
+    been gone ``forget_after_s`` since its last heartbeat (``WorkerView.last_seen``), then
+    forgotten; 0 forgets it at once. A host with no recorded sighting (registered by an agent
+    that does not record one) has nothing to wait from and goes at once."""
     placed = {m.host for m in snap.models.values() if m.occupying and m.host is not None}
-    hosts = sorted(h for h, w in snap.workers.items() if not w.alive and h not in placed)
+    seen_before = snap.now - forget_after_s if forget_after_s > 0 else None
+    hosts = sorted(
+        h
+        for h, w in snap.workers.items()
+        if not w.alive
+        and h not in placed
+        and (seen_before is None or w.last_seen is None or w.last_seen <= seen_before)
+    )
     models = sorted(
         n
         for n, m in snap.models.items()
         if not m.registered and not m.occupying and not m.busy and m.explicit is None
     )
-    return Forget(tuple(hosts), tuple(models))
+    return Forget(tuple(hosts), tuple(models), seen_before if hosts else None)

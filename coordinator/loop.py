@@ -376,7 +376,7 @@ class Coordinator:
             actions = decide(rd.snap)
             if not self.effects.apply(actions, rd.snap, rd.model_hashes, s):
                 break
-        prune.forget(self.r, forgettable(rd.snap), lease=self.lease_token)
+        prune.forget(self.r, forgettable(rd.snap, s.worker.forget_after_s), lease=self.lease_token)
         self.effects.watch_idle(waits_for_idle(actions, rd.snap))
         blocked = {a.type: a.over for a in actions if isinstance(a, Blocked)}
         self.tell_autosize(rd.autosize)

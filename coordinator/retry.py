@@ -47,6 +47,7 @@ from residency import keys
 from residency.loops import run_until_stopped
 from residency.lua import NotLeader
 from residency.messages import Event, EventType
+from residency.redis_conn import pool_like
 
 log = logging.getLogger("residency.coordinator")
 
@@ -91,9 +92,7 @@ def connection(r: redis.Redis) -> redis.Redis:
     """A client for rq on the same server as ``r``: rq stores compressed bytes (its job data is
     zlib'd JSON here), so it needs a connection that does not decode replies (residency's
     clients do)."""
-    pool = r.connection_pool
-    kwargs = {**pool.connection_kwargs, "decode_responses": False}
-    return redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **kwargs))
+    return redis.Redis(connection_pool=pool_like(r, decode_responses=False))
 
 
 def queue(r: redis.Redis) -> Queue:

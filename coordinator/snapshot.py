@@ -18,14 +18,15 @@ from coordinator.decide import (
     WorkerView,
     backoff_until,
     recent_failures,
+    room_of,
 )
-from residency import __version__, keys, policy_store, registry, states
+from residency import __version__, footprint, keys, ledger, policy_store, registry, states
 from residency.messages import Request
 from residency.policies import candidate_floor, helper_models
-from residency.settings import MODEL_TYPES, Settings
+from residency.settings import MODEL_TYPES, ModelSpec, Settings
 
 TYPES = MODEL_TYPES  # one pool, and one limit, per model type
-PER_MODEL = 5  # replies per model in the pool read
+PER_MODEL = 6  # replies per model in the pool read
 
 
 def _f(v: str | None) -> float | None:
@@ -57,6 +58,27 @@ def _failures(
         times = (*times, now)
         last = h.get("error") or last
     return times, last
+
+
+def _needs(
+    spec: ModelSpec, kinds: dict[str, str], measured: dict[str, str]
+) -> tuple[tuple[str, int], ...]:
+    """What a load of ``spec`` takes on each device kind (one device of that kind given)."""
+    out = []
+    for kind, device in sorted(kinds.items()):
+        n = ledger.expected(spec, device, measured)
+        if n is not None:
+            out.append((kind, n))
+    return tuple(out)
+
+
+def _budgets(raw: str | None) -> dict[str, int | None]:
+    """An agent's reported budgets; an unreadable report means no byte limit."""
+    try:
+        data = json.loads(raw or "{}")
+        return {str(d): (int(b) if b is not None else None) for d, b in data.items()}
+    except (ValueError, TypeError, AttributeError):
+        return {}
 
 
 def _failure_pending(h: dict[str, str]) -> bool:
@@ -131,7 +153,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     pipe.hgetall(keys.explicit())
     pipe.smembers(keys.workers())
     pipe.smembers(keys.models_with_state())
-    raw_registry, raw_policies, explicit, members, with_state = pipe.execute()
+    pipe.hgetall(keys.hosts_seen())
+    raw_registry, raw_policies, explicit, members, with_state, seen = pipe.execute()
     entries = {n: registry.Entry.loads(n, v) for n, v in raw_registry.items()}
     pols = policy_store.parsed(
         {n: policy_store.PolicyEntry.loads(n, v) for n, v in raw_policies.items()}
@@ -159,15 +182,22 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         # many each user has queued.
         pipe.lrange(keys.queue(n), 0, -1)
         pipe.zrange(keys.load_failures(n), 0, -1, withscores=True)
+        pipe.hgetall(keys.footprint(n))
     for h in hosts:
         pipe.hgetall(keys.worker(h))
     res = pipe.execute()
 
+    worker_raw = res[PER_MODEL * len(ordered) :]
+    # One device of each kind the live hosts offer: a model's bytes are known per kind.
+    kinds: dict[str, str] = {}
+    for w in worker_raw:
+        for d in json.loads(w.get("devices", "[]")) if w else []:
+            kinds.setdefault(footprint.device_kind(d), d)
     models: dict[str, ModelView] = {}
     raw: dict[str, dict[str, str]] = {}
     by_user: dict[str, dict[str, int]] = {}
     for i, n in enumerate(ordered):
-        h, queued, in_flight, items, failed = res[PER_MODEL * i : PER_MODEL * (i + 1)]
+        h, queued, in_flight, items, failed, measured = res[PER_MODEL * i : PER_MODEL * (i + 1)]
         failures, last_error = _failures(failed, h, now)
         oldest, users = queue_summary(items)
         if users:
@@ -201,6 +231,10 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             yielding_since=_f(h.get("yielding_since")),
             ttl_s=e.spec.ttl_s if e else None,
             preload=e is not None and (e.spec.preload or n in warm_candidates),
+            held_bytes=_int(h.get("footprint_bytes")) or _int(h.get("estimate_bytes")),
+            need_bytes=_needs(e.spec, kinds, measured) if e else (),
+            last_host=h.get("last_host") or None,
+            last_device=h.get("last_device") or None,
         )
     workers: dict[str, WorkerView] = {}
     worker_hashes: dict[str, dict[str, str]] = {}
@@ -215,6 +249,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
             memory={k: float(v) for k, v in json.loads(w.get("memory", "{}")).items()},
             children=children,
             children_at=children_at,
+            budgets=_budgets(w.get("budgets")),
+            last_seen=_f(seen.get(host)),
         )
     # Rule 3: autosize raises the LLM limit only; other types keep the configured one.
     limits = {t: auto.effective if t == "llm" else s.pool.max_loaded_models for t in TYPES}
@@ -276,6 +312,7 @@ def health_record(
                 "pid": int(h["pid"]) if h.get("pid") else None,
                 "last_used": m.last_used or None,
                 "load_seconds": _f(h.get("load_seconds")),
+                "loading_since": m.loading_since if m.state is states.ModelState.LOADING else None,
                 "error": h.get("error") or None,
                 "backoff": backoff,
                 # A resident giving its slot to a waiting model: it admits nothing new.
@@ -285,6 +322,8 @@ def health_record(
                 # Its memory as measured after its load, and the estimate for it (bytes).
                 "footprint_bytes": _int(h.get("footprint_bytes")),
                 "estimate_bytes": _int(h.get("estimate_bytes")),
+                # What its next load is counted for, per device kind.
+                "expected_bytes": dict(m.need_bytes),
             }
         )
     workers = []
@@ -296,6 +335,8 @@ def health_record(
                 "devices": list(w.devices),
                 "alive": w.alive,
                 "last_heartbeat": _f(wh.get("last_heartbeat")),
+                # Outlives the record: when a gone host was last seen (its agent's clock).
+                "last_seen": w.last_seen,
                 "pid": int(wh["pid"]) if wh.get("pid") else None,
                 "memory_total": int(wh["memory_total"]) if wh.get("memory_total") else None,
                 "memory_used": json.loads(wh.get("memory", "{}")),
@@ -312,6 +353,8 @@ def health_record(
         "auto_evict": {"enabled": s.pool.auto_evict, "threshold": s.pool.auto_evict_threshold},
         "models": models,
         "workers": workers,
+        # Each live device's memory ledger: its budget, and the bytes each resident holds there.
+        "devices": room_of(snap).report(),
         "enforcement": enforcement or {},
         "published_at": snap.now,
     }

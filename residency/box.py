@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.retry import Retry
 
 from residency import keys, settings
 from residency.messages import Event, EventType
+from residency.redis_conn import RedisUrlError, parse
+from residency.redis_conn import connect as connect  # re-exported: every role imports it here
+from residency.redis_conn import probe as probe
 
 
 def default_data_dir() -> Path:
@@ -74,10 +75,20 @@ class Box:
         return settings.read_file(self.config_path) if self.config_path else {}
 
     def base_settings(self) -> settings.Settings:
-        """File and environment only: what a process validates before it touches Redis."""
+        """File and environment only: what a process validates before it touches Redis (the
+        Redis URL too: a malformed one stops the process at start, naming the bad part)."""
+        self.check_redis_url()
         return settings.build(
             self.file_layer(), settings.env_layer(self.environ), origin=str(self.config_path or "")
         )
+
+    def check_redis_url(self) -> None:
+        if not self.redis_url:
+            return
+        try:
+            parse(self.redis_url)
+        except RedisUrlError as e:
+            raise settings.SettingsError({"RESIDENCY_REDIS_URL": str(e)}, "environment") from None
 
     def redis(self, max_connections: int | None = None) -> redis.Redis:
         if not self.redis_url:
@@ -100,37 +111,6 @@ class Box:
         with os.fdopen(fd, "w") as fh:
             fh.write(key + "\n")
         return key
-
-
-def connect(url: str, max_connections: int | None = None) -> redis.Redis:
-    """Every role's Redis client. Timeouts everywhere: no call can wait forever. A failed
-    command is retried briefly (3 tries within about 0.3 s: a dropped connection to a live
-    server), not with redis-py's default backoff of seconds: during an outage each role has its
-    own retry (loops, the model process's backoff) and web answers 503 without making its client
-    wait. ``max_connections``: the pool's bound (redis-py's default, 100, is far below what a
-    gevent web worker holds: a connection per waiting request)."""
-    return redis.Redis.from_url(
-        url,
-        max_connections=max_connections,
-        decode_responses=True,
-        socket_timeout=30,
-        socket_connect_timeout=5,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 3),
-    )
-
-
-def probe(url: str, timeout: float = 1.0) -> redis.Redis:
-    """A client that answers at once whether Redis is reachable: short timeouts and no retries
-    (redis-py retries a refused connection with backoff by default, seconds). For readiness
-    checks and for waiting on a starting server."""
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-    )
 
 
 class ConfigStore:

@@ -72,6 +72,18 @@ def slots_pinned(name: str, pool: str) -> ApiError:
     )
 
 
+def model_too_large(name: str, need: int, largest: int) -> ApiError:
+    mib = 1 << 20
+    return ApiError(
+        409,
+        f"cannot load '{name}': it needs {need / mib:.0f} MiB and the largest device budget is "
+        f"{largest / mib:.0f} MiB (raise [worker] device_budget_mb, or lower the model's n_ctx, "
+        "parallel or n_gpu_layers)",
+        type="conflict_error",
+        code="model_too_large",
+    )
+
+
 def queue_full(name: str, depth: int, retry_after: int = 1) -> ApiError:
     return ApiError(
         429,

@@ -27,6 +27,13 @@ def config_generation() -> str:
     return f"{PREFIX}config:gen"
 
 
+def replication_mark() -> str:
+    """string counter (INCR), no TTL. Written only to be waited on: an admin change is answered
+    after ``WAIT`` on a connection that just wrote this (``redis_conn.confirm_replicated``), so
+    the replicas that acknowledge it hold every write acknowledged before it."""
+    return f"{PREFIX}replication:mark"
+
+
 def config_admin() -> str:
     """hash ``"section.key" -> JSON value``, no TTL. Admin overrides of settings; written only by
     the admin API, read by every role when it (re)computes effective settings."""
@@ -272,9 +279,17 @@ def worker(host: str) -> str:
 
 def workers() -> str:
     """set of host names that registered, no TTL. Written by the agent (every heartbeat); the
-    coordinator removes a host (with its command lists) once its record has expired and no
-    model holds a slot on it (``forget_host.lua``)."""
+    coordinator removes a host (with its command lists) once its record has expired, no model
+    holds a slot on it and it has been gone ``worker.forget_after_s`` (``forget_host.lua``)."""
     return f"{PREFIX}workers"
+
+
+def hosts_seen() -> str:
+    """hash ``host -> time of its last heartbeat`` (the agent's clock), no TTL: outlives the
+    worker record, so a gone host is listed with when it was last seen and forgotten once it has
+    been gone ``worker.forget_after_s``. Written by the agent's heartbeat (in the MULTI that
+    renews ``worker(host)``); the field is deleted with the host by ``forget_host.lua``."""
+    return f"{PREFIX}hosts:seen"
 
 
 def leader() -> str:

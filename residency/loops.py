@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 
 import redis
 
+from residency.redis_conn import pool_like
+
 REDIS_RETRY_S = 1.0
 BUG_RETRY_S = 0.5
 # Errors that mean Redis is unreachable or restarting (BusyLoadingError, raised while a
@@ -43,10 +45,14 @@ class Waker:
     def __init__(self, r: redis.Redis, stop: threading.Event) -> None:
         self.r = r
         self.stop = stop
-        kwargs = dict(r.connection_pool.connection_kwargs)
-        pool = redis.ConnectionPool(r.connection_pool.connection_class, **kwargs)
-        self.blocking = redis.Redis(connection_pool=pool, single_connection_client=True)
+        # Same server (or Sentinel service) and options as ``r``: after a failover the read's
+        # connection error is followed by a reconnect to the new primary.
+        self.blocking = redis.Redis(connection_pool=pool_like(r), single_connection_client=True)
         self._id: int | None = None
+        # A reconnect inside redis-py's own retry (no error reaches us) gives the connection a
+        # new id too (on a promoted replica, another client may hold the old one): forget it.
+        assert self.blocking.connection is not None
+        self.blocking.connection.register_connect_callback(self._reconnected)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._wake_on_stop, name="waker", daemon=True)
         self._thread.start()
@@ -72,6 +78,9 @@ class Waker:
         except redis.RedisError:
             self._id = None
             raise
+
+    def _reconnected(self, _connection: object) -> None:
+        self._id = None
 
     def _wake_on_stop(self) -> None:
         while not self._closed.is_set():

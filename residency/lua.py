@@ -617,9 +617,10 @@ class Scripts:
             raise NotLeader(f"failure of {model} not recorded")
         return res
 
-    def forget_host(self, host: str, *, lease: str) -> bool:
-        """Delete a gone host's keys (True), unless it came back meanwhile (False). Fenced:
-        raises NotLeader if ``lease`` is not the lease."""
+    def forget_host(self, host: str, *, lease: str, seen_before: float | None = None) -> bool:
+        """Delete a gone host's keys (True), unless it came back meanwhile or its last heartbeat
+        is after ``seen_before`` (None: whenever it was) (False). Fenced: raises NotLeader if
+        ``lease`` is not the lease."""
         res = _s(
             self._run(
                 "forget_host",
@@ -627,10 +628,11 @@ class Scripts:
                     keys.workers(),
                     keys.worker(host),
                     keys.leader(),
+                    keys.hosts_seen(),
                     keys.agent_commands(host),
                     keys.agent_taken(host),
                 ],
-                [lease, host],
+                [lease, host, "" if seen_before is None else repr(float(seen_before))],
             )
         )
         if res == "not_leader":

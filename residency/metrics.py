@@ -37,6 +37,12 @@ PASSES_TOTAL = "residency_enforcement_passes_total"
 RECHECKS_TOTAL = "residency_load_commit_rechecks_total"
 DEFERRED = "residency_deferred_shrink"
 YIELDS_TOTAL = "residency_yields_total"
+DEVICE_BUDGET = "residency_device_budget_bytes"
+DEVICE_USED = "residency_device_used_bytes"
+MODEL_FOOTPRINT = "residency_model_footprint_bytes"
+WORKER_UP = "residency_worker_up"
+LOADING_SECONDS = "residency_load_running_seconds"
+AUTO_EVICT = "residency_auto_evict_enabled"
 # Per user, only with ``[metrics] per_user`` (one series per user and model: unbounded by
 # configuration, so off by default).
 USER_REQUESTS_TOTAL = "residency_user_requests_total"
@@ -215,3 +221,47 @@ class RedisCollector(Collector):
         for typ in h.get("max_models", {}):
             deferred.add_metric([typ], blocked.get(typ, 0))
         yield deferred
+        # The memory ledger: each live device's budget and what its residents hold (a device
+        # without a budget has no budget sample), and each resident's bytes.
+        budget = GaugeMetricFamily(
+            DEVICE_BUDGET, "Bytes a device may hold in loaded models", labels=["host", "device"]
+        )
+        used = GaugeMetricFamily(
+            DEVICE_USED, "Bytes a device's residents hold (ledger)", labels=["host", "device"]
+        )
+        for d in h.get("devices", []):
+            if d.get("budget_bytes") is not None:
+                budget.add_metric([d["host"], d["device"]], d["budget_bytes"])
+            used.add_metric([d["host"], d["device"]], d["used_bytes"])
+        yield budget
+        yield used
+        held = GaugeMetricFamily(
+            MODEL_FOOTPRINT,
+            "A resident's bytes in its device's ledger (measured after its load, else expected)",
+            labels=["model", "host", "device"],
+        )
+        for d in h.get("devices", []):
+            for model, n in sorted(d.get("models", {}).items()):
+                held.add_metric([model, d["host"], d["device"]], n)
+        yield held
+        up = GaugeMetricFamily(
+            WORKER_UP,
+            "1 while a host's agent heartbeats, 0 once it is gone (until it is forgotten)",
+            labels=["host"],
+        )
+        for w in h.get("workers", []):
+            up.add_metric([w["host"]], 1 if w.get("alive") else 0)
+        yield up
+        # A load that hangs shows here long before pool.load_timeout_s fails it (the load
+        # seconds histogram only counts loads that finished).
+        running = GaugeMetricFamily(
+            LOADING_SECONDS, "How long each model's current load has run", labels=["model"]
+        )
+        at = float(h.get("published_at") or 0.0)
+        for m in h.get("models", []):
+            if m["state"] == "loading" and m.get("loading_since"):
+                running.add_metric([m["name"]], max(at - float(m["loading_since"]), 0.0))
+        yield running
+        evict = GaugeMetricFamily(AUTO_EVICT, "1 when the auto_evict memory backstop is on")
+        evict.add_metric([], 1 if (h.get("auto_evict") or {}).get("enabled") else 0)
+        yield evict

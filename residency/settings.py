@@ -108,6 +108,21 @@ class ServerSettings(_Strict):
         RESTART,
         "let remote models forward to loopback, link-local and unspecified addresses",
     )
+    redis_min_replicas: int = _key(
+        1,
+        LIVE,
+        "with a Sentinel RESIDENCY_REDIS_URL: replicas that must hold an admin change before "
+        "it is answered (else 503 not_replicated); 0 = answer without waiting",
+        ge=0,
+        le=16,
+    )
+    redis_wait_ms: int = _key(
+        2000,
+        LIVE,
+        "longest an admin change waits for redis_min_replicas replicas to acknowledge it",
+        ge=1,
+        le=60_000,
+    )
 
 
 class PoolSettings(_Strict):
@@ -178,6 +193,30 @@ class WorkerSettings(_Strict):
         "a busy model process with no progress this long is killed; 0 = never",
         ge=0,
         le=86400,
+    )
+    forget_after_s: float = _key(
+        600.0,
+        LIVE,
+        "a host whose agent stopped heartbeating stays listed (as gone, with when it was last "
+        "seen) this long, then is forgotten; 0 = as soon as no model holds a slot on it",
+        ge=0,
+        le=30 * 86400,
+    )
+    device_budget_mb: int = _key(
+        0,
+        RESTART,
+        "bytes each device of this agent may hold in loaded models, in MiB; 0 = the device's "
+        "total memory less memory_reserve_mb (CPU devices of one host split what is left)",
+        ge=0,
+        le=1 << 24,
+    )
+    memory_reserve_mb: int = _key(
+        1024,
+        RESTART,
+        "memory left out of each device's default budget for everything else (the OS, Redis, "
+        "the web tier; a GPU's driver); unused when device_budget_mb is set",
+        ge=0,
+        le=1 << 24,
     )
 
 

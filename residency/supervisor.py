@@ -24,7 +24,7 @@ from typing import Any
 
 import requests
 
-from residency import procs
+from residency import hosts, procs
 from residency.box import Box
 from residency.redis_server import EmbeddedRedis
 
@@ -138,6 +138,7 @@ class Supervisor:
         if self.box.config_path is None:
             self.box.config_path = default_config(self.box)
         s = self.box.base_settings()  # exits early on a bad config, before anything starts
+        hosts.host_id(self.box.environ)  # and on a bad RESIDENCY_HOST (the worker's host id)
         self.box.admin_key(create=True)
         env = dict(self.box.environ)
         env["RESIDENCY_DATA_DIR"] = str(self.box.data_dir)

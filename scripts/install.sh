@@ -32,4 +32,9 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version_
 fi
 
 extras=$(IFS=,; echo "$*")
-"${PIP[@]}" install -e ".${extras:+[$extras]}"
+# RESIDENCY_EDITABLE=0 installs a copy (deploy/Dockerfile: the image carries the venv only).
+if [ "${RESIDENCY_EDITABLE:-1}" = 0 ]; then
+  "${PIP[@]}" install --no-cache-dir ".${extras:+[$extras]}"
+else
+  "${PIP[@]}" install -e ".${extras:+[$extras]}"
+fi

@@ -138,6 +138,7 @@ def start_pool(
         debug: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None,
         policies: dict[str, dict[str, Any]] | None = None,
+        worker: dict[str, Any] | None = None,
     ) -> Pool:
         cfg = write_config(
             tmp_path / "config.toml",
@@ -147,6 +148,7 @@ def start_pool(
                 "debug": debug or {},
                 "models": models if models is not None else tiny_models(models_dir),
                 "policies": policies or {},
+                "worker": worker or {},
             },
         )
         box = Box(

@@ -8,6 +8,7 @@ and coordinator event) and answered at once; enforcement is the coordinator's jo
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from flask import Blueprint, Response, g, jsonify, request
 from pydantic import ValidationError
 
+from coordinator import fit, snapshot
 from residency import errors, keys, policies, policy_store, registry, usage
 from residency.box import ConfigStore, NameTaken, audit
 from residency.errors import ApiError
@@ -231,6 +233,18 @@ def load_model(name: str) -> Any:
 @bp.post("/models/<name>/unload")
 def unload_model(name: str) -> Any:
     return _request_residency(name, "unload")
+
+
+@bp.post("/models/<name>/fit")
+def fit_model(name: str) -> Any:
+    """Would the model fit now, where, and what would be evicted for it: the coordinator's own
+    decisions over the pool as it is, played forward without doing anything."""
+    st = state()
+    entry = _entry(name)
+    if entry.spec.remote:
+        raise errors.bad_request(f"'{name}' is a remote model: it is never loaded", "name")
+    rd = snapshot.read(st.r, st.refresh().settings, time.time())
+    return jsonify(fit.fit(rd.snap, name))
 
 
 @bp.post("/models/<name>/pin")

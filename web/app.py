@@ -19,6 +19,7 @@ from web import (
     openai_api,
     openapi,
     ops,
+    replicated,
     rerank_api,
     responses_api,
     ui,
@@ -106,6 +107,8 @@ def create_app(box: Box | None = None) -> Flask:
     # Authentication first: a caller without a valid key learns nothing else (not even 413).
     app.before_request(auth.authenticate)
     app.before_request(_limit_body)
+    # An admin change is answered once a replica holds it (Sentinel-backed bus only).
+    app.after_request(replicated.confirm)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(responses_api.bp)
     app.register_blueprint(rerank_api.bp)

@@ -618,6 +618,14 @@ def _admin_paths() -> dict[str, Schema]:
             }
             for what in ("load", "unload")
         },
+        "/admin/models/{name}/fit": {
+            "post": _admin(
+                "Would the model fit now, on which device, and what would be evicted for it "
+                "(a dry run: nothing is done)",
+                answer=_obj("model", "fits", "resident", "evict", "reason", "need_bytes"),
+                params=_NAME,
+            )
+        },
         "/admin/models/{name}/pin": {
             "post": _admin(
                 "Pin or unpin a model",

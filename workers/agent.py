@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from typing import cast
 
 import redis
 
-from residency import keys, procs, work
+from residency import hosts, keys, ledger, procs, work
 from residency.box import Box, ConfigStore
 from residency.errors import ApiError, model_stalled
 from residency.loops import Waker, blmove, run_until_stopped
@@ -84,9 +83,16 @@ class Agent:
         self.box = box
         self.r = r
         self.scripts = Scripts(r)
-        self.host = host or box.environ.get("RESIDENCY_HOST") or socket.gethostname()
+        # RESIDENCY_HOST (default: the host name), validated: it names this host's keys.
+        self.host = hosts.check(host) if host is not None else hosts.host_id(box.environ)
         self.devices = device_list or devices.discover(dict(box.environ))
         self.stop = stop or threading.Event()
+        # What each device may hold in loaded models (bytes; None: no byte limit), reported with
+        # every heartbeat: the coordinator places a load only where its bytes fit.
+        ws = box.base_settings().worker
+        self.budgets = ledger.budgets(
+            devices.device_totals(self.devices), ws.device_budget_mb, ws.memory_reserve_mb
+        )
         self.waker: Waker | None = None  # set by run(): a stop unblocks the command read
         self.children: dict[str, Child] = {}
         # Guards ``children`` between the loop (which changes it) and the heartbeat thread
@@ -123,6 +129,7 @@ class Agent:
                 "devices": json.dumps(self.devices),
                 "memory_total": devices.memory_total(),
                 "memory": json.dumps(devices.memory_used(self.devices, self._pressure())),
+                "budgets": json.dumps(self.budgets, sort_keys=True),
                 "pid": os.getpid(),
                 "last_heartbeat": now,
                 "children": json.dumps(children, sort_keys=True),
@@ -131,6 +138,8 @@ class Agent:
         )
         pipe.expire(keys.worker(self.host), keys.WORKER_TTL_S)
         pipe.sadd(keys.workers(), self.host)
+        # Outlives the record: a gone host is listed with it until worker.forget_after_s.
+        pipe.hset(keys.hosts_seen(), self.host, now)
         pipe.execute()
 
     def beat_until_stopped(self) -> None:

@@ -11,6 +11,11 @@ from collections.abc import Mapping
 
 import psutil
 
+# Slots and device kinds are the ledger's too (what a load is counted for): defined there.
+from residency.ledger import DEFAULT_PARALLEL as DEFAULT_PARALLEL
+from residency.ledger import default_parallel as default_parallel
+from residency.ledger import is_cpu as is_cpu
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +50,31 @@ def discover(environ: dict[str, str] | None = None) -> list[str]:
 
 def memory_total() -> int:
     return int(psutil.virtual_memory().total)
+
+
+def device_totals(device_list: list[str]) -> dict[str, int | None]:
+    """Total memory per device in bytes: the host's memory for a CPU device, NVML's total for a
+    GPU (None when unknown: no pynvml, or NVML fails; that device then has no byte budget unless
+    ``[worker] device_budget_mb`` sets one)."""
+    out: dict[str, int | None] = {d: (memory_total() if is_cpu(d) else None) for d in device_list}
+    gpus = [d for d in device_list if d.startswith("cuda:")]
+    if not gpus:
+        return out
+    try:
+        import pynvml
+    except ImportError:
+        return out
+    try:
+        pynvml.nvmlInit()
+        try:
+            for d in gpus:
+                h = pynvml.nvmlDeviceGetHandleByIndex(int(d.split(":", 1)[1]))
+                out[d] = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except (pynvml.NVMLError, ValueError) as e:
+        log.warning("GPU memory totals unknown (%s): no byte budget without device_budget_mb", e)
+    return out
 
 
 #: Variables a model process inherits by exact name. Everything else of the agent's environment
@@ -121,11 +151,6 @@ def child_env(device: str, base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def is_cpu(device: str) -> bool:
-    """``cpu``, or ``cpu:0-3`` (a CPU device naming its cores)."""
-    return device == "cpu" or device.startswith("cpu:")
-
-
 def cpu_affinity(device: str) -> set[int] | None:
     """``cpu:0-3+6`` → {0, 1, 2, 3, 6}: a CPU device may name the cores its model may use
     (set with RESIDENCY_DEVICES); plain ``cpu`` and GPUs keep the agent's affinity."""
@@ -136,17 +161,6 @@ def cpu_affinity(device: str) -> set[int] | None:
         lo, _, hi = part.partition("-")
         cores.update(range(int(lo), int(hi or lo) + 1))
     return cores
-
-
-#: Slots per model when ``[models.X] parallel`` is unset. A CPU's decode is compute-bound:
-#: 4 sequences already give most of the batching gain on a few cores (measured on 2 cores, Gemma
-#: 3 270M: 8 clients made 1.3x the tokens/s of one at a time with 4 slots, 1.5x with 8) while
-#: keeping the context memory at 4x. A GPU batches almost for free, so it gets more.
-DEFAULT_PARALLEL = {"cpu": 4, "gpu": 8}
-
-
-def default_parallel(device: str) -> int:
-    return DEFAULT_PARALLEL["cpu" if is_cpu(device) else "gpu"]
 
 
 def default_threads(affinity: set[int] | None = None) -> int:

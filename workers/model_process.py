@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from residency import keys, metrics, registry, work
+from residency import keys, ledger, metrics, registry, work
 from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -128,7 +128,7 @@ class ModelProcess:
         # Its memory as loaded, and what residency.footprint expected of it (after the load's
         # seconds are taken: neither counts in them).
         footprint_bytes = memory.measured(self.device)
-        estimate_bytes = memory.estimated(self.spec, self.device, self.parallel)
+        estimate_bytes = ledger.estimated(self.spec, self.device, self.parallel)
         now = time.time()
         # The blocking connection of the queue reads, made now so that its id is published
         # with the state: a stop unblocks it from inside, an eviction from the coordinator.
@@ -174,7 +174,7 @@ class ModelProcess:
         metrics.observe(pipe, metrics.LOAD_SECONDS, {"model": self.model}, seconds)
         if res == "recheck":
             metrics.inc(pipe, metrics.RECHECKS_TOTAL, {"model": self.model})
-        digest = memory.digest(self.spec, self.device, self.parallel)
+        digest = ledger.digest(self.spec, self.device, self.parallel)
         if footprint_bytes is not None and digest is not None:
             # Outlives the unload: the next load of the same spec is counted for what this one
             # measured rather than for the estimate.

@@ -16,6 +16,11 @@ if queued or redis.call('LLEN', KEYS[3]) > 0 then
 end
 local ok, prev = cas(KEYS[1], 'unloaded', ARGV[2], ARGV[1])
 if not ok then return prev end
+-- Where it ran is kept (last_host, last_device): its next load goes there when it fits.
+local where = redis.call('HMGET', KEYS[1], 'host', 'device')
+if where[1] and where[2] then
+  redis.call('HSET', KEYS[1], 'last_host', where[1], 'last_device', where[2])
+end
 redis.call('HDEL', KEYS[1], 'pid', 'host', 'device', 'draining_since', 'loading_since')
 -- Nothing left in flight: the fair tags of requests dropped without a finish go too (a
 -- yielding model's queued requests keep theirs for its next load).

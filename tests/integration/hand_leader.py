@@ -67,6 +67,7 @@ def live_worker(r: redis.Redis, host: str, children: dict[str, str], children_at
     )
     r.expire(keys.worker(host), 60)
     r.sadd(keys.workers(), host)
+    r.hset(keys.hosts_seen(), host, children_at)
 
 
 def plant_model(r: redis.Redis, name: str, **fields: Any) -> None:

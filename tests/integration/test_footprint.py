@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 
-from residency import footprint, keys
+from residency import footprint, keys, ledger
 from residency.settings import ModelSpec
 from tests.conftest import Pool, tiny_models
-from workers import memory
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 TOLERANCE = 0.15
@@ -77,10 +76,10 @@ def test_the_measurement_outlives_the_unload_for_the_same_spec_only(
     assert kept["bytes"] == h["footprint_bytes"]
     assert kept["estimate"] == h["estimate_bytes"]
     same = ModelSpec.model_validate(models["a"])
-    digest = memory.digest(same, "cpu", 1)
+    digest = ledger.digest(same, "cpu", 1)
     assert digest == kept["spec"]
     assert footprint.expected_bytes(1, kept, digest) == int(kept["bytes"])
-    bigger = memory.digest(same.model_copy(update={"n_ctx": 1024}), "cpu", 1)
+    bigger = ledger.digest(same.model_copy(update={"n_ctx": 1024}), "cpu", 1)
     assert bigger != digest
     assert footprint.expected_bytes(1, kept, str(bigger)) == 1  # the estimate, not the old one
 

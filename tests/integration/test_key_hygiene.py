@@ -46,8 +46,14 @@ def test_a_gone_host_leaves_no_key_once_its_models_are_reaped(
     co.step([])
     co.step([])
 
-    assert r.hget(keys.model("a"), "state") == "unloaded"  # reaped (host_gone)
+    assert r.hget(keys.model("a"), "state") == "unloaded"  # reaped (host_gone) at once
+    # Listed as gone until it has been gone worker.forget_after_s (default 600 s) ...
+    assert r.sismember(keys.workers(), "deadhost")
+    clock.now += 600
+    co.step([])
+    # ... then nothing of it is left.
     assert keys_naming(r, "deadhost") == []
+    assert not r.hexists(keys.hosts_seen(), "deadhost")
     assert not r.sismember(keys.workers(), "deadhost")
     assert r.sismember(keys.workers(), "box1")
     assert r.exists(keys.worker("box1"))
