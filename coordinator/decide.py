@@ -174,7 +174,8 @@ class Reject:
 
     model: str
     # "slots_pinned" | "too_large" (its bytes exceed every live device's budget: ``need`` and
-    # the largest budget ``largest`` say by how much)
+    # the largest budget ``largest`` say by how much) | "memory_pinned" (pinned residents hold
+    # the bytes it needs on every device)
     code: str
     need: int = 0
     largest: int = 0
@@ -231,7 +232,8 @@ class Wait:
     # finishing its work to give this model its slot) | "in_turn" (an idle resident keeps its
     # slot a moment longer: see ``in_turn``) | "room_draining" (the bytes it needs free once
     # residents already leaving are gone) | "no_room" (no device has its bytes free, and the
-    # residents that would make room are busy, pinned or in their turn)
+    # residents that would make room are busy or pinned; "in_turn" when some are only in their
+    # turn)
     reason: str
 
 
@@ -498,7 +500,31 @@ def _decide_pool(
         if free > 0:
             where = _place(snap, room, w)
             if where is None:
-                out += _make_room(snap, room, w, live)
+                made = _make_room(snap, room, w, live)
+                if made != [Wait(w.name, "no_room")]:
+                    out += made
+                # Fairness by bytes as by count: the busy residents holding the bytes it needs
+                # take turns with it once it has waited max_busy_s.
+                elif (y := yielding_for.get(w.name)) is not None and not y.pinned:
+                    kept.add(y.name)
+                    out += _yielded(y, w, taken, room, "no_room")
+                elif (
+                    not yielders
+                    and (
+                        y := _yield_candidate(
+                            snap,
+                            w,
+                            [m for m in occupying if _frees_room(m, w, room, live)],
+                            evicting,
+                        )
+                    )
+                    is not None
+                ):
+                    out.append(Yield(y.name, y.token, w.name))
+                    out.append(Wait(w.name, "yielding"))
+                    yielders.append(y)
+                else:
+                    out += made
                 continue
             out.append(Load(w.name, *where))
             room.add(*where, w.name, w.need_on(where[1]))
@@ -521,16 +547,8 @@ def _decide_pool(
         elif victims:  # idle, but in its turn: its slot frees within turn_idle_s
             out.append(Wait(w.name, "in_turn"))
         elif (y := yielding_for.get(w.name)) is not None and not y.pinned:
-            # Its queued requests stay queued; only what it runs must end before it goes.
             kept.add(y.name)
-            if y.name in taken:  # idle, and already evicted for an older waiter
-                out.append(Wait(w.name, "all_busy"))
-            elif y.in_flight == 0:
-                room.release(y.name)
-                out.append(Evict(y.name, y.token, "yield"))
-                out.append(Wait(w.name, "evicting"))
-            else:
-                out.append(Wait(w.name, "yielding"))
+            out += _yielded(y, w, taken, room, "all_busy")
         elif not yielders and (y := _yield_candidate(snap, w, occupying, evicting)) is not None:
             out.append(Yield(y.name, y.token, w.name))
             out.append(Wait(w.name, "yielding"))
@@ -582,6 +600,33 @@ def _decide_pool(
     return out
 
 
+def _yielded(y: ModelView, w: ModelView, taken: set[str], room: Room, busy: str) -> list[Action]:
+    """``y`` yields to ``w``: it goes once nothing is in flight (its queued requests stay queued
+    for its next turn); until then ``w`` waits. ``busy``: the wait when ``y`` was already taken
+    for an older waiter in this pass."""
+    if y.name in taken:
+        return [Wait(w.name, busy)]
+    if y.in_flight == 0:
+        room.release(y.name)
+        return [Evict(y.name, y.token, "yield"), Wait(w.name, "evicting")]
+    return [Wait(w.name, "yielding")]
+
+
+def _frees_room(m: ModelView, w: ModelView, room: Room, live: dict[str, ModelView]) -> bool:
+    """Whether ``w`` fits on ``m``'s device once ``m`` and that device's idle residents leave."""
+    where = (m.host or "", m.device or "")
+    budget = room.budgets.get(where)
+    if budget is None or m.name in room.going:
+        return False
+    idle = sum(
+        v.bytes_held
+        for v in lru_victims(live.values())
+        if (v.host, v.device) == where and v.name not in room.going and v.name != m.name
+    )
+    free = budget - room.used(where) + room.freeing(where)
+    return w.need_on(where[1]) <= free + m.bytes_held + idle
+
+
 def _make_room(
     snap: Snapshot, room: Room, w: ModelView, live: dict[str, ModelView]
 ) -> list[Action]:
@@ -590,12 +635,42 @@ def _make_room(
     longest per second of reload). A load is never started where it does not fit."""
     if not room.budgets:
         return [Wait(w.name, "no_worker")]
-    budgets = {where: b for where, b in room.budgets.items()}
-    if all(b is not None and w.need_on(where[1]) > b for where, b in budgets.items()):
-        largest = max(b or 0 for b in budgets.values())
-        return [Reject(w.name, "too_large", need=max(dict(w.need_bytes).values()), largest=largest)]
+    if all(b is not None and w.need_on(d) > b for (_, d), b in room.budgets.items()):
+        largest = max(b or 0 for b in room.budgets.values())
+        need = max(dict(w.need_bytes).values(), default=0)
+        return [Reject(w.name, "too_large", need=need, largest=largest)]
+    plan = _room_plan(snap, room, w, live, turns=False)
+    if plan is None and not any(
+        b is not None and w.need_on(d) <= b - _pinned_bytes(room, live, (h, d))
+        for (h, d), b in room.budgets.items()
+    ):
+        # Pinned residents hold the bytes it needs on every device: nothing will ever free them.
+        return [Reject(w.name, "memory_pinned", need=max(dict(w.need_bytes).values(), default=0))]
+    if plan is None:
+        # Residents in their turn free their bytes within turn_idle_s: wait for that, not for a
+        # busy -> idle edge.
+        why = "in_turn" if _room_plan(snap, room, w, live, turns=True) else "no_room"
+        return [Wait(w.name, why)]
+    out: list[Action] = []
+    for m in plan:
+        room.release(m.name)
+        out.append(Evict(m.name, m.token, "room"))
+    out.append(Wait(w.name, "evicting" if plan else "room_draining"))
+    return out
+
+
+def _pinned_bytes(room: Room, live: dict[str, ModelView], where: Where) -> int:
+    return sum(n for m, n in room.held.get(where, {}).items() if m in live and live[m].pinned)
+
+
+def _room_plan(
+    snap: Snapshot, room: Room, w: ModelView, live: dict[str, ModelView], *, turns: bool
+) -> list[ModelView] | None:
+    """The residents to evict so that ``w`` fits, on the device that needs the fewest (then the
+    least valuable); [] when residents already leaving make the room; None when no device can.
+    ``turns``: count residents in their turn as evictable too."""
     plans: list[tuple[int, float, Where, list[ModelView]]] = []
-    for where, budget in sorted(budgets.items()):
+    for where, budget in sorted(room.budgets.items()):
         need = w.need_on(where[1])
         if budget is None or need > budget:
             continue
@@ -605,7 +680,9 @@ def _make_room(
             here = [
                 m
                 for m in lru_victims(live.values())
-                if (m.host, m.device) == where and m.name not in room.going and not in_turn(m, snap)
+                if (m.host, m.device) == where
+                and m.name not in room.going
+                and (turns or not in_turn(m, snap))
             ]
             here.sort(key=lambda m: (-eviction_score(m, snap.now), m.name))
             for m in here:
@@ -617,14 +694,8 @@ def _make_room(
             lost = sum(1.0 / max(eviction_score(m, snap.now), 1e-9) for m in chosen)
             plans.append((len(chosen), lost, where, chosen))
     if not plans:
-        return [Wait(w.name, "no_room")]
-    _, _, where, chosen = min(plans, key=lambda p: (p[0], p[1], p[2]))
-    out: list[Action] = []
-    for m in chosen:
-        room.release(m.name)
-        out.append(Evict(m.name, m.token, "room"))
-    out.append(Wait(w.name, "evicting" if chosen else "room_draining"))
-    return out
+        return None
+    return min(plans, key=lambda p: (p[0], p[1], p[2]))[3]
 
 
 def _gave_way(m: ModelView, waiting: dict[str, ModelView]) -> bool:

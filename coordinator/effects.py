@@ -97,11 +97,12 @@ class Effects:
             loaded_at = model_hashes.get(a.model, {}).get("loaded_at")
             return self.evict(a, snap.now, float(loaded_at) if loaded_at else None)
         if isinstance(a, Reject):
-            err = (
-                errors.model_too_large(a.model, a.need, a.largest)
-                if a.code == "too_large"
-                else errors.slots_pinned(a.model, snap.models[a.model].type)
-            )
+            if a.code == "too_large":
+                err = errors.model_too_large(a.model, a.need, a.largest)
+            elif a.code == "memory_pinned":
+                err = errors.memory_pinned(a.model, a.need)
+            else:
+                err = errors.slots_pinned(a.model, snap.models[a.model].type)
             n = work.fail_queued(self.r, a.model, err, lease=self.lease_token)
             self.fenced().hdel(keys.explicit(), a.model).execute()
             log.warning("rejected %d request(s) for %s: %s", n, a.model, a.code)

@@ -134,7 +134,18 @@ def render_status(h: dict[str, Any]) -> str:
         )
     for w in h.get("workers", []):
         state = "alive" if w["alive"] else "GONE"
+        if not w["alive"] and w.get("last_seen") is not None:
+            seen = datetime.fromtimestamp(float(w["last_seen"])).strftime("%H:%M:%S")
+            state += f" (last seen {seen})"
         lines.append(f"worker  {w['host']} {','.join(w['devices'])} {state}")
+    for d in h.get("devices", []):
+        budget = d.get("budget_bytes")
+        of = "no budget" if budget is None else f"of {budget >> 20} MiB"
+        held = ", ".join(f"{m} {n >> 20}" for m, n in sorted(d.get("models", {}).items()))
+        lines.append(
+            f"memory  {d['host']}/{d['device']} {d['used_bytes'] >> 20} MiB {of}"
+            + (f" ({held})" if held else "")
+        )
     return "\n".join(lines)
 
 

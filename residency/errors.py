@@ -84,6 +84,16 @@ def model_too_large(name: str, need: int, largest: int) -> ApiError:
     )
 
 
+def memory_pinned(name: str, need: int) -> ApiError:
+    return ApiError(
+        409,
+        f"cannot load '{name}': it needs {need / (1 << 20):.0f} MiB and pinned models hold the "
+        "memory it would need on every device",
+        type="conflict_error",
+        code="memory_pinned",
+    )
+
+
 def queue_full(name: str, depth: int, retry_after: int = 1) -> ApiError:
     return ApiError(
         429,

@@ -4,6 +4,8 @@ waits — it is never started to crash. Count limits stay an upper bound."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -288,3 +290,50 @@ def test_fit_takes_a_residents_turn_as_over() -> None:
     s = snap(x, y, limit=-1, min_resident_s=10.0, workers={"box1": dev()})
     a = fit(s, "y")
     assert (a["fits"], [e["model"] for e in a["evict"]]) == (True, ["x"])
+
+
+def test_room_held_by_a_resident_in_its_turn_is_waited_for_not_taken() -> None:
+    # x was loaded a moment ago and its client is about to send again: the waiter waits for
+    # its turn to end (a timer pass), not for a busy -> idle edge.
+    x = res("x", 900, loaded_at=NOW - 1, last_used=NOW - 0.1)
+    acts = decide(snap(x, want("y", 300), limit=-1, min_resident_s=10.0, workers={"box1": dev()}))
+    assert of(Evict, acts) == [] and of(Wait, acts) == [Wait("y", "in_turn")]
+    later = decide(
+        snap(x, want("y", 300), limit=-1, min_resident_s=10.0, now=NOW + 1, workers={"box1": dev()})
+    )
+    assert of(Evict, later) == [Evict("x", "t-x", "room")]
+
+
+def test_busy_residents_holding_the_bytes_take_turns_with_a_waiter() -> None:
+    from coordinator.decide import Yield
+
+    busy = res("busy", 900, in_flight=1, queued=3, demand_since=NOW - 100, loaded_at=NOW - 60)
+    kw: dict[str, object] = {"limit": -1, "max_busy_s": 5.0, "workers": {"box1": dev()}}
+    # Not yet waited max_busy_s: it waits for the bytes.
+    acts = decide(snap(busy, want("y", 500, demand_since=NOW - 1), **kw))
+    assert of(Yield, acts) == [] and of(Wait, acts) == [Wait("y", "no_room")]
+    # Waited long enough: the busy resident yields (the count limit is off: bytes alone).
+    acts = decide(snap(busy, want("y", 500, demand_since=NOW - 10), **kw))
+    assert of(Yield, acts) == [Yield("busy", "t-busy", "y")]
+    # Yielding, it goes once nothing is in flight, its queued requests kept for its next turn.
+    yielding = replace(busy, yielding="y", yielding_since=NOW - 5)
+    acts = decide(snap(yielding, want("y", 500, demand_since=NOW - 10), **kw))
+    assert of(Wait, acts) == [Wait("y", "yielding")] and of(Evict, acts) == []
+    acts = decide(snap(replace(yielding, in_flight=0), want("y", 500, demand_since=NOW - 10), **kw))
+    assert of(Evict, acts) == [Evict("busy", "t-busy", "yield")]
+    # A resident whose leaving would not make room is never asked to yield.
+    small = res("small", 100, in_flight=1, loaded_at=NOW - 60)
+    pinned = res("pin", 850, pinned=True)
+    acts = decide(snap(small, pinned, want("y", 500, demand_since=NOW - 10), **kw))
+    assert of(Yield, acts) == []
+
+
+def test_bytes_held_by_pinned_residents_on_every_device_reject_the_load() -> None:
+    # Nothing will ever free them: its requests are answered at once, as with pinned slots.
+    pinned = res("pin", 850, pinned=True)
+    acts = decide(snap(pinned, want("y", 500), limit=-1, workers={"box1": dev()}))
+    assert acts == [Reject("y", "memory_pinned", need=500 * MB)]
+    # A busy unpinned resident will go idle some day: then it waits.
+    busy = res("busy", 850, in_flight=1)
+    acts = decide(snap(busy, want("y", 500), limit=-1, workers={"box1": dev()}))
+    assert of(Reject, acts) == [] and of(Wait, acts) == [Wait("y", "no_room")]

@@ -68,6 +68,10 @@ from residency.states import ModelState as S
 TYPES = {"a": "llm", "b": "llm", "c": "llm", "d": "llm", "x": "embedding", "y": "embedding"}
 NAMES = sorted(TYPES)
 HOSTS = {"h1": ("cpu",), "h2": ("gpu0", "gpu1")}
+# Memory: each model's bytes (MB) on any device, and the devices' budgets when they are on (a
+# rule switches them): each model fits on every device alone, not every pair does.
+SIZES = {"a": 400, "b": 300, "c": 500, "d": 200, "x": 100, "y": 150}
+BUDGETS = {("h1", "cpu"): 600, ("h2", "gpu0"): 500, ("h2", "gpu1"): 550}
 LOAD_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 30.0
 
@@ -136,6 +140,8 @@ class Model:
             last_error="boom" if self.failures else None,
             yielding=self.yielding,
             yielding_since=self.yielding_since,
+            held_bytes=SIZES[self.name] if self.occupying else None,
+            need_bytes=tuple((k, SIZES[self.name]) for k in ("cpu", "gpu0", "gpu1")),
         )
 
     def free_slot(self) -> None:
@@ -159,6 +165,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.now = 1000.0
         self.arrived = self.served = self.rejected = 0
         self.max_busy_s, self.min_resident_s = 5.0, 1.0
+        self.budgets: dict[tuple[str, str], int] = {}  # none: no byte limit
 
     # -- the coordinator ------------------------------------------------------------------------
 
@@ -173,6 +180,7 @@ class PoolMachine(RuleBasedStateMachine):
                     m.name: m.token for m in self.models.values() if m.process and m.host == h
                 },
                 children_at=self.now,
+                budgets={d: self.budgets[(h, d)] for d in devs if (h, d) in self.budgets},
             )
             for h, devs in HOSTS.items()
         }
@@ -274,8 +282,30 @@ class PoolMachine(RuleBasedStateMachine):
             assert not shrunk or len(held) + len(coming) >= limit, (
                 f"{typ} pool shrunk below {limit}: {shrunk}"
             )
+        # The ledger: a device within its budget stays within it (loads planned only where their
+        # bytes fit beside everything held, residents on their way out included).
+        for (h, d), budget in self.budgets.items():
+            held_bytes = sum(
+                SIZES[m.name]
+                for m in snap.models.values()
+                if m.occupying and (m.host, m.device) == (h, d) and m.name not in reaped
+            )
+            planned = sum(SIZES[a.model] for a in loads if (a.host, a.device) == (h, d))
+            assert held_bytes > budget or held_bytes + planned <= budget, (
+                f"loads past the budget of {h}/{d}: {held_bytes} + {planned} > {budget}"
+            )
         for a in actions:
-            if isinstance(a, Reject):
+            if isinstance(a, Reject) and a.code == "memory_pinned":
+                m = snap.models[a.model]
+                assert self.budgets, "memory_pinned without budgets"
+                for (h, d), budget in self.budgets.items():
+                    pinned = sum(
+                        SIZES[v.name]
+                        for v in snap.models.values()
+                        if v.occupying and v.pinned and (v.host, v.device) == (h, d)
+                    )
+                    assert not self.alive[h] or SIZES[m.name] > budget - pinned
+            elif isinstance(a, Reject):
                 m = snap.models[a.model]
                 held = [
                     v
@@ -556,6 +586,10 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(name=names)
     def the_model_is_registered_again(self, name: str) -> None:
         self.models[name].registered = True
+
+    @rule(on=st.booleans())
+    def memory_budgets_switch(self, on: bool) -> None:
+        self.budgets = dict(BUDGETS) if on else {}
 
     @rule(host=hosts, used=st.sampled_from([0.3, 0.95]), on=st.booleans())
     def memory_pressure(self, host: str, used: float, on: bool) -> None:

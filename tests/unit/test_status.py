@@ -37,3 +37,19 @@ def test_status_names_a_deferred_shrink() -> None:
 
 def test_status_without_a_deferred_shrink_says_nothing_of_it() -> None:
     assert "over its limit" not in render_status(record({}))
+
+
+def test_status_shows_each_devices_ledger_and_when_a_gone_host_was_last_seen() -> None:
+    rec = record({})
+    mib = 1 << 20
+    rec["devices"] = [
+        {"host": "h", "device": "cpu", "budget_bytes": 1000 * mib, "used_bytes": 400 * mib,
+         "free_bytes": 600 * mib, "models": {"a": 400 * mib}},
+        {"host": "g", "device": "cuda:0", "budget_bytes": None, "used_bytes": 0,
+         "free_bytes": None, "models": {}},
+    ]  # fmt: skip
+    rec["workers"] = [{"host": "old", "devices": ["cpu"], "alive": False, "last_seen": 0.0}]
+    out = render_status(rec)
+    assert "memory  h/cpu 400 MiB of 1000 MiB (a 400)" in out
+    assert "memory  g/cuda:0 0 MiB no budget" in out
+    assert "worker  old cpu GONE (last seen " in out
