@@ -21,9 +21,11 @@ its p99 TTFT. The phases of one trial, in this order:
            ``Retry-After``): the model's queue is full (the box refused the heavy user once,
            or holds 90% of its requests) before the victim starts;
 - grammar: beside a user whose request has a ``response_format`` json_schema with the
-           pattern ``^((a|aa){0,16}){0,16}$`` (a repeated group inside a repeated group), sent
-           again whenever it ends (after a second when refused); its outcomes are recorded
-           (HTTP status and error code: the box should refuse it, 400, or bound it);
+           pattern ``^((a|aa){0,16}){0,16}$`` (a repeated group inside a repeated group;
+           ``--pattern``), and a ``logit_bias`` of +30 on every token made of ``a``s only (read
+           from the model file's vocabulary) so that the string grows instead of closing at
+           once, sent again whenever it ends (after a second when refused); its outcomes are
+           recorded (HTTP status and error code: the box should refuse it, 400, or bound it);
 - quota:   beside a user with ``tokens_per_day`` = ``QUOTA_TOKENS`` and no tokens used yet,
            sending from ``--hammer-clients`` (8) clients as fast as they can, never waiting:
            its answers and 429s are counted, and its quota overshoot (tokens charged beyond
@@ -105,6 +107,8 @@ FULL_FRACTION = 0.9  # the queue is "full" when it holds this share of the heavy
 ATTACKER = "grammar"
 PATTERN = "^((a|aa){0,16}){0,16}$"
 GRAMMAR_TOKENS = 64
+A_BIAS = 30.0  # logit_bias on the tokens made of 'a's: the pattern's string keeps growing
+MAX_BIASED = 1024  # the API's limit on logit_bias entries
 GRAMMAR_RESEND_S = 1.0  # the attacker's pause after a refusal
 GRAMMAR_LEAD_S = 1.0  # its request is sent this long before the victim starts
 
@@ -498,10 +502,10 @@ def chat_body(choice: ModelChoice, i: int, tokens: int, stream: bool) -> dict[st
     }
 
 
-def grammar_body() -> dict[str, Any]:
+def grammar_body(pattern: str, a_tokens: Sequence[int]) -> dict[str, Any]:
     schema = {
         "type": "object",
-        "properties": {"s": {"type": "string", "pattern": PATTERN}},
+        "properties": {"s": {"type": "string", "pattern": pattern}},
         "required": ["s"],
     }
     return {
@@ -509,8 +513,26 @@ def grammar_body() -> dict[str, Any]:
         "messages": [{"role": "user", "content": "Answer with a JSON object."}],
         "max_tokens": GRAMMAR_TOKENS,
         "stream": True,
+        "logit_bias": {str(t): A_BIAS for t in a_tokens[:MAX_BIASED]},
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
     }
+
+
+def a_tokens(model_path: Path) -> list[int]:
+    """The ids of the tokens whose text is one or more 'a's (the model's vocabulary only)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    try:
+        out = []
+        for i in range(llm.n_vocab()):
+            with contextlib.suppress(Exception):  # special tokens may not detokenize
+                piece = llm.detokenize([i], special=False)
+                if piece and not piece.strip(b"a"):
+                    out.append(i)
+        return out
+    finally:
+        llm.close()
 
 
 @dataclass
@@ -679,10 +701,10 @@ def heavy_loop(box: Box, key: str, choice: ModelChoice, other: Other) -> Callabl
     return loop
 
 
-def grammar_loop(box: Box, key: str, other: Other) -> Callable[..., None]:
+def grammar_loop(box: Box, key: str, body: dict[str, Any], other: Other) -> Callable[..., None]:
     def loop(s: requests.Session) -> None:
         while not other.stop.is_set():
-            got = stream_chat(s, box.url, key, grammar_body(), other.stop)
+            got = stream_chat(s, box.url, key, body, other.stop)
             other.record(got.outcome)
             if got.status != 200:
                 other.stop.wait(GRAMMAR_RESEND_S)
@@ -719,6 +741,8 @@ class Setup:
     heavy: int
     hammer_clients: int
     token_delay_s: float
+    pattern: str = PATTERN
+    a_tokens: tuple[int, ...] = ()
 
     def text(self) -> str:
         c = self.choice
@@ -732,7 +756,8 @@ class Setup:
             f"{self.victim_requests} streamed requests of {VICTIM_TOKENS} max_tokens from "
             f"{VICTIM_CLIENTS} clients. heavy: {self.heavy} clients of {HEAVY_TOKENS} "
             "max_tokens, each sending again when answered (waiting the Retry-After of a "
-            f"refusal); grammar: one client sending a json_schema with pattern `{PATTERN}` "
+            f"refusal); grammar: one client sending a json_schema with pattern `{self.pattern}` "
+            f"and logit_bias +{A_BIAS:g} on the {len(self.a_tokens)} tokens of 'a's "
             f"({GRAMMAR_TOKENS} max_tokens) again whenever it ends; quota: a user with "
             f"tokens_per_day = {QUOTA_TOKENS} sending from {self.hammer_clients} clients "
             f"without pause ({HAMMER_TOKENS} max_tokens)."
@@ -762,7 +787,8 @@ def run_phase(box: Box, keys_: dict[str, str], setup: Setup, case: str, trial: i
         if not full(box, other, setup.heavy):
             phase.notes.append(f"the heavy user's queue not full after {FILL_TIMEOUT_S:g} s")
     elif case == "grammar":
-        other.start(1, grammar_loop(box, keys_[ATTACKER], other))
+        body = grammar_body(setup.pattern, setup.a_tokens)
+        other.start(1, grammar_loop(box, keys_[ATTACKER], body, other))
         time.sleep(GRAMMAR_LEAD_S)
     elif case == "quota":
         name = f"{HAMMER}{trial}"  # a user per trial: each starts its day with no tokens used
@@ -812,9 +838,9 @@ def model_file(tmp: Path, choice: ModelChoice) -> Path:
 
 
 @contextlib.contextmanager
-def running_box(tmp: Path, choice: ModelChoice) -> Iterator[Box]:
+def running_box(tmp: Path, choice: ModelChoice, path: Path) -> Iterator[Box]:
     port = free_port()
-    cfg = box_toml(tmp / "box.toml", port, model_file(tmp, choice), choice)
+    cfg = box_toml(tmp / "box.toml", port, path, choice)
     data = tmp / "data"
     with contextlib.ExitStack() as stack:
         up_box(cfg, data, tmp / "residency.log", stack)
@@ -824,7 +850,9 @@ def running_box(tmp: Path, choice: ModelChoice) -> Iterator[Box]:
 
 
 def run(tmp: Path, setup: Setup, trials: int) -> Report:
-    with running_box(tmp, setup.choice) as box:
+    path = model_file(tmp, setup.choice)
+    setup.a_tokens = tuple(a_tokens(path))
+    with running_box(tmp, setup.choice, path) as box:
         if setup.token_delay_s > 0:
             box.admin_call(
                 "POST", "/admin/faults", {"token_delay_s": {MODEL: setup.token_delay_s}}, 200
@@ -850,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--victim-requests", type=int, default=VICTIM_REQUESTS)
     ap.add_argument("--heavy", type=int, default=HEAVY_CLIENTS, help="the heavy user's clients")
     ap.add_argument("--hammer-clients", type=int, default=HAMMER_CLIENTS)
+    ap.add_argument("--pattern", default=PATTERN, help="the grammar request's schema pattern")
     ap.add_argument(
         "--token-delay", type=float, help="seconds added per token (default: 0.02 tiny, 0 gemma)"
     )
@@ -864,7 +893,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     choice = MODELS[args.model]
     delay = choice.token_delay_s if args.token_delay is None else args.token_delay
-    setup = Setup(choice, args.victim_requests, args.heavy, args.hammer_clients, delay)
+    setup = Setup(
+        choice, args.victim_requests, args.heavy, args.hammer_clients, delay, args.pattern
+    )
     try:
         with tempfile.TemporaryDirectory(prefix="residency-iso-") as tmp, cleanup():
             report = run(Path(tmp), setup, args.trials)
