@@ -674,13 +674,17 @@ class Other:
             self.phase.notes.append(f"{alive} of the other user's clients still waiting")
 
 
-def heavy_loop(box: Box, key: str, choice: ModelChoice, other: Other) -> Callable[..., None]:
+def chat_loop(
+    box: Box, key: str, choice: ModelChoice, tokens: int, other: Other, patient: bool
+) -> Callable[..., None]:
+    """Non-streamed requests one after the other until ``other.stop``; ``patient``: after a
+    429 / 503 wait its Retry-After (the heavy user), else send again at once (the hammer)."""
     headers = {"Authorization": f"Bearer {key}"}
 
     def loop(s: requests.Session) -> None:
         i = 0
         while not other.stop.is_set():
-            body = chat_body(choice, i, HEAVY_TOKENS, stream=False)
+            body = chat_body(choice, i, tokens, stream=False)
             i += 1
             try:
                 r = s.post(
@@ -696,7 +700,8 @@ def heavy_loop(box: Box, key: str, choice: ModelChoice, other: Other) -> Callabl
             other.record("200" if r.status_code == 200 else error_code(r))
             if r.status_code in (429, 503):
                 other.refused.set()
-                other.stop.wait(retry_after(r))
+                if patient:
+                    other.stop.wait(retry_after(r))
 
     return loop
 
@@ -708,28 +713,6 @@ def grammar_loop(box: Box, key: str, body: dict[str, Any], other: Other) -> Call
             other.record(got.outcome)
             if got.status != 200:
                 other.stop.wait(GRAMMAR_RESEND_S)
-
-    return loop
-
-
-def hammer_loop(box: Box, key: str, choice: ModelChoice, other: Other) -> Callable[..., None]:
-    headers = {"Authorization": f"Bearer {key}"}
-
-    def loop(s: requests.Session) -> None:
-        i = 0
-        while not other.stop.is_set():
-            body = chat_body(choice, i, HAMMER_TOKENS, stream=False)
-            i += 1
-            try:
-                r = s.post(
-                    box.url + "/v1/chat/completions",
-                    json=body,
-                    headers=headers,
-                    timeout=HTTP_TIMEOUT,
-                )
-                other.record("200" if r.status_code == 200 else error_code(r))
-            except requests.RequestException as e:
-                other.record(f"client {type(e).__name__}")
 
     return loop
 
@@ -783,7 +766,7 @@ def run_phase(box: Box, keys_: dict[str, str], setup: Setup, case: str, trial: i
     other = Other(phase)
     choice = setup.choice
     if case == "heavy":
-        other.start(setup.heavy, heavy_loop(box, keys_[HEAVY], choice, other))
+        other.start(setup.heavy, chat_loop(box, keys_[HEAVY], choice, HEAVY_TOKENS, other, True))
         if not full(box, other, setup.heavy):
             phase.notes.append(f"the heavy user's queue not full after {FILL_TIMEOUT_S:g} s")
     elif case == "grammar":
@@ -793,7 +776,8 @@ def run_phase(box: Box, keys_: dict[str, str], setup: Setup, case: str, trial: i
     elif case == "quota":
         name = f"{HAMMER}{trial}"  # a user per trial: each starts its day with no tokens used
         key = box.user_key(name, {"tokens_per_day": QUOTA_TOKENS})
-        other.start(setup.hammer_clients, hammer_loop(box, key, choice, other))
+        hammer = chat_loop(box, key, choice, HAMMER_TOKENS, other, False)
+        other.start(setup.hammer_clients, hammer)
     run_victim(box, keys_[VICTIM], choice, setup.victim_requests, phase)
     other.finish()
     if not box.drain():
