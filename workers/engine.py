@@ -189,6 +189,9 @@ class Engine:
         self.prefilled = 0  # prompt tokens decoded (cached ones excluded), for tests and stats
         self.steps = 0
         self.error: BaseException | None = None  # what stopped the engine thread, if anything
+        # Orders a submit's check and put against the thread's death: a job is either refused
+        # or in the inbox before the dying thread fails what the inbox holds.
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -205,7 +208,11 @@ class Engine:
                 f"Requested tokens ({len(job.prompt)}) exceed context window of {self.n_ctx_slot}"
             )
         job.sampler = self._b.sampler(job.sampling)
-        self._inbox.put(job)
+        with self._submit_lock:
+            if self.error is not None:
+                job.sampler.close()
+                raise EngineDied(f"the engine stopped: {self.error!r}")
+            self._inbox.put(job)
         return job
 
     def busy(self) -> int:
@@ -230,8 +237,9 @@ class Engine:
                     self._step()
         except Exception as e:  # a bug here must not leave serving threads waiting forever
             log.exception("the engine stopped")
-            self.error = e
-            self._closed.set()
+            with self._submit_lock:
+                self.error = e
+                self._closed.set()
             self._fail_all(EngineDied(f"the engine stopped: {e!r}"))
             return
         self._fail_all(EngineClosed("the model process is stopping"))

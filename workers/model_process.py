@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from residency import keys, ledger, metrics, registry, work
+from residency import keys, ledger, metrics, procs, registry, work
 from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -49,9 +49,6 @@ RENEW_TTL_S = keys.REPLY_TTL_S / 4
 OWNERSHIP_CHECK_S = 1.0
 FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
 SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
-#: The exit status of a model process whose engine thread died: the agent reports it as a
-#: crash (its in-flight requests are handed back, the model reloaded on demand).
-ENGINE_DIED_EXIT = 70
 
 
 class ModelProcess:
@@ -95,7 +92,7 @@ class ModelProcess:
         self._service_s: float | None = None  # moving average of a request's time in its slot
         self._service_lock = threading.Lock()
         # What stopped the runtime's engine thread: the process then takes nothing more and
-        # exits with ENGINE_DIED_EXIT instead of answering every request with an error.
+        # exits (procs.ENGINE_DIED_EXIT) instead of answering every request with an error.
         self.engine_error: BaseException | None = None
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
@@ -770,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.runtime.close()
     if proc.engine_error is not None:
-        return ENGINE_DIED_EXIT
+        # The agent reports it as a crash: its in-flight requests are handed back and the
+        # model is loaded again on demand.
+        return procs.ENGINE_DIED_EXIT
     # Exiting without committing an unload (SIGTERM) leaves the state to the agent, which hands
     # any in-flight request back to the queue.
     return 0
