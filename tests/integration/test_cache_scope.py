@@ -60,6 +60,7 @@ def test_another_users_prompt_is_reused_only_as_far_as_the_scope_allows(
 
     # user (the default): bob reuses nothing of ann's identical prompt; ann reuses her own.
     first = ask(c, ann, SYSTEM, question(1))
+    pid = pool.pid("a")
     assert cached(ask(c, ann, SYSTEM, question(1))) > 0
     again = ask(c, bob, SYSTEM, question(1))
     assert cached(again) == 0
@@ -91,3 +92,5 @@ def test_another_users_prompt_is_reused_only_as_far_as_the_scope_allows(
     his = ask(c, bob, SYSTEM, question(8))
     assert cached(his) == his["usage"]["prompt_tokens"] - 1
     assert text(his) == text(hers)
+    # Each change applied to the next request, without a reload.
+    assert pool.pid("a") == pid
