@@ -7,8 +7,8 @@ token), ``token_delay_s:<model>`` (seconds added before each generated token),
 ``step_delay_s:<model>`` (seconds added to each engine step: prompt chunks and tokens alike),
 ``hang:<model>`` ("1" while that model's generations block with no progress, deaf to stop,
 cancel and deadline: what the stall watchdog kills) and ``engine_crash:<model>`` ("1": that
-model's engine thread raises at its next step; consumed by it). A false, zero or null value
-deletes the field, so a test can undo what it set.
+model's engine thread raises at the first step of its next request, which consumes it). A
+false, zero or null value deletes the field, so a test can undo what it set.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ progress and honours nothing (for the stall watchdog) until the fault is cleared
 
 ``FaultyBackend`` sits in front of the engine's real backend (same interface): a delay added to
 every engine step (``step_delay_s``: a prefill that takes many slow chunks, like a long prompt
-on a slow machine) and a one-shot ``engine_crash`` that makes the engine thread raise at its
-next step (a bug in the engine: the process must not live on without it).
+on a slow machine) and a one-shot ``engine_crash`` that makes the engine thread raise at the
+first step of the next request (a bug in the engine: the process must not live on without it).
+Both are read when a request starts, like the faults above.
 """
 
 from __future__ import annotations
