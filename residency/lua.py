@@ -160,6 +160,7 @@ class Scripts:
                 "commit_load",
                 "submit",
                 "finish",
+                "flush",
                 "begin_drain",
                 "try_unload",
                 "hand_back",
@@ -334,6 +335,18 @@ class Scripts:
             ],
         )
         return int(code), (_s(val) if int(code) == 2 else int(val))
+
+    def flush(self, request_id: str, chunks: list[dict[str, Any]], *, renew: bool) -> bool:
+        """Write one chunk message of a stream (``chunks``), renewing the stream's TTL when
+        ``renew`` (a new stream always gets it) — unless the request was cancelled: then
+        nothing is written (its client's web thread deleted the stream) and True returned."""
+        data = json.dumps({"chunks": chunks}, separators=(",", ":"))
+        res = self._run(
+            "flush",
+            [keys.reply(request_id), keys.cancel(request_id)],
+            [data, keys.REPLY_TTL_S, "1" if renew else "0"],
+        )
+        return bool(res)
 
     def finish(
         self,

@@ -51,6 +51,10 @@ class Request:
     # The id of the API key it came with ("" when none): its tokens count towards that key's
     # daily quota too.
     key: str = ""
+    # ``[cache] scope`` when web submitted it (``residency.settings.CACHE_SCOPES``): whose
+    # cached prompt prefixes it may reuse. Stamped per request, so a change applies to the
+    # next request without a reload.
+    cache_scope: str = "user"
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -69,6 +73,7 @@ class Request:
             deadline=float(d.get("deadline", 0.0)),
             user=str(d.get("user", "")),
             key=str(d.get("key", "")),
+            cache_scope=str(d.get("cache_scope", "user")),
         )
 
 

@@ -11,6 +11,16 @@ from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
+#: The exit status of a model process whose engine thread died (it can decode nothing more).
+ENGINE_DIED_EXIT = 70
+
+
+def exit_reason(code: int) -> str:
+    """How the agent names a model process's exit."""
+    if code == ENGINE_DIED_EXIT:
+        return f"process exited with {code}: its engine thread died"
+    return f"process exited with {code}"
+
 
 def die_with_parent() -> Callable[[], None]:
     """A ``preexec_fn`` for every child: SIGTERM it when the process that spawned it dies, so a

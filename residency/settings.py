@@ -247,6 +247,22 @@ class MetricsSettings(_Strict):
     )
 
 
+#: Who may reuse a slot's cached prompt prefix (``[cache] scope``): its own user only; also
+#: everyone for the part its system message(s) cover; everyone for all of it.
+CacheScope = Literal["user", "shared_system", "global"]
+CACHE_SCOPES: tuple[str, ...] = get_args(CacheScope)
+
+
+class CacheSettings(_Strict):
+    scope: CacheScope = _key(
+        "user",
+        LIVE,
+        "who may reuse a slot's cached prompt prefix (and see it in cached_tokens): user = the "
+        "same user only; shared_system = also everyone, for the part the system message(s) "
+        "cover; global = everyone (an oracle of other users' prompts: benchmarks only)",
+    )
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is reachable from this machine only. A host name other than
     ``localhost`` counts as not (it may resolve to anything): keys are then required."""
@@ -342,6 +358,7 @@ class Settings(_Strict):
     debug: DebugSettings = DebugSettings()
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
+    cache: CacheSettings = CacheSettings()
     models: dict[str, ModelSpec] = {}
     # Router policies, as written; checked against ``models`` by ``_policies`` below and kept
     # raw because the registry (not this file) is what they are finally resolved against.
@@ -386,6 +403,7 @@ SECTIONS: dict[str, type[_Strict]] = {
     "debug": DebugSettings,
     "auth": AuthSettings,
     "metrics": MetricsSettings,
+    "cache": CacheSettings,
 }
 
 

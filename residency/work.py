@@ -20,15 +20,13 @@ from residency.messages import Event, EventType, ReplyType, Request
 log = logging.getLogger(__name__)
 
 
-def add_reply(
-    pipe: Any, request_id: str, kind: ReplyType, data: dict[str, Any], *, set_ttl: bool = True
-) -> None:
-    """Queue one reply message on a pipeline or client, and (re)set the stream's TTL. A stream
-    writer may skip the TTL on middle chunks: the first and the last message set it."""
+def add_reply(pipe: Any, request_id: str, kind: ReplyType, data: dict[str, Any]) -> None:
+    """Queue one reply message on a pipeline or client, and (re)set the stream's TTL. (A
+    model process writes a stream's chunks with ``Scripts.flush``, which skips a cancelled
+    request.)"""
     k = keys.reply(request_id)
     pipe.xadd(k, {"t": kind.value, "d": json.dumps(data, separators=(",", ":"))})
-    if set_ttl:
-        pipe.expire(k, keys.REPLY_TTL_S)
+    pipe.expire(k, keys.REPLY_TTL_S)
 
 
 def _writes(r: redis.Redis, scripts: Scripts, lease: str | None) -> Any:

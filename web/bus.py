@@ -277,6 +277,7 @@ def submit(
     may_load: bool = True,
     weight: float = 1.0,
     fair: bool = True,
+    cache_scope: str = "user",
 ) -> Call:
     """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
     ``deadline_s``: it must be finished that long after submit (0: no deadline). ``user``:
@@ -284,7 +285,8 @@ def submit(
     ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is queued
     (the request would load it). ``weight``: the
     user's share of the model's turns; ``fair``: take turns between users (``pool.fair_queues``)
-    rather than first come, first served."""
+    rather than first come, first served. ``cache_scope``: ``[cache] scope`` now (whose
+    cached prompt prefixes the model process may reuse for it)."""
     now = time.time()
     req = Request(
         id=new_request_id(),
@@ -296,6 +298,7 @@ def submit(
         deadline=now + deadline_s if deadline_s > 0 else 0.0,
         user=user,
         key=key,
+        cache_scope=cache_scope,
     )
     item = req.dumps()
     try:

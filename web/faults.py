@@ -3,10 +3,12 @@
 Field names are the contract with the model processes that read them: ``load_delay_s:<model>``
 (seconds), ``fail_next_load`` (model name), ``memory_pressure`` (fraction 0..1),
 ``hold:<model>`` ("1" while that model's process must hold every generation before its first
-token), ``token_delay_s:<model>`` (seconds added before each generated token) and
+token), ``token_delay_s:<model>`` (seconds added before each generated token),
+``step_delay_s:<model>`` (seconds added to each engine step: prompt chunks and tokens alike),
 ``hang:<model>`` ("1" while that model's generations block with no progress, deaf to stop,
-cancel and deadline: what the stall watchdog kills). A false, zero or null value deletes the
-field, so a test can undo what it set.
+cancel and deadline: what the stall watchdog kills) and ``engine_crash:<model>`` ("1": that
+model's engine thread raises at the first step of its next request, which consumes it). A
+false, zero or null value deletes the field, so a test can undo what it set.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ FAULT_KEYS = (
     "memory_pressure",
     "hold",
     "token_delay_s",
+    "step_delay_s",
     "hang",
+    "engine_crash",
 )
 
 
@@ -63,7 +67,7 @@ def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
         raise ApiError(400, f"expected at least one of {', '.join(FAULT_KEYS)}")
     put: dict[str, str] = {}
     drop: list[str] = []
-    for key in ("load_delay_s", "token_delay_s"):
+    for key in ("load_delay_s", "token_delay_s", "step_delay_s"):
         if key not in body:
             continue
         for m, v in _per_model(body, key).items():
@@ -86,7 +90,7 @@ def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
             put["memory_pressure"] = repr(frac)
         else:
             drop.append("memory_pressure")
-    for key in ("hold", "hang"):
+    for key in ("hold", "hang", "engine_crash"):
         if key not in body:
             continue
         for m, v in _per_model(body, key).items():

@@ -209,6 +209,7 @@ def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Ca
         key=caller.key_id or "",
         may_load=caller.may_load,
         weight=caller.weight,
+        cache_scope=t.view.settings.cache.scope,
     )
 
 

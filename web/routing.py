@@ -70,6 +70,7 @@ def call_helper(
         fair=s.pool.fair_queues,
         user=user,
         may_load=may_load,
+        cache_scope=s.cache.scope,
     )
     out = call.result()
     return str(out["choices"][0]["message"].get("content") or "")

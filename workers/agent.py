@@ -339,9 +339,7 @@ class Agent:
                 # Released before it is forgotten: should Redis fail in between, the next watch
                 # sees the exit again and retries (a forgotten child would strand its state).
                 crashed = code != 0 and not c.stop_requested
-                self._release(
-                    n, c.token, f"process exited with {code}", crashed=crashed, fail=c.stalled
-                )
+                self._release(n, c.token, procs.exit_reason(code), crashed=crashed, fail=c.stalled)
                 with self._lock:
                     del self.children[n]
                 raw = self.deferred.pop(n, None)

@@ -16,19 +16,36 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from residency.errors import ApiError
 from workers.engine import End, Engine, Job, Sampling, Token
+from workers.slots import Asker, common_prefix
 from workers.textout import TextOut
 
 OnStep = Callable[[], None]
 #: Told the prompt, completion and cached prompt tokens of a generation when it ends (however
 #: it ends).
 OnUsage = Callable[[int, int, int], None]
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """Whose request a generation serves, for the slots' prompt cache: its user, the
+    ``[cache] scope`` it came under, and (a chat under ``shared_system``) the tokens of its
+    system message(s) rendered alone. The part of the prompt they begin is what other users
+    may share."""
+
+    owner: str = ""
+    scope: str = "user"
+    system: Sequence[int] = ()
+
+    def asker(self, prompt: Sequence[int]) -> Asker:
+        return Asker(self.owner, common_prefix(self.system, prompt), self.scope)
 
 
 class Report(threading.local):
@@ -213,6 +230,8 @@ def create(
     on_step: OnStep | None,
     *,
     on_usage: OnUsage | None = None,
+    on_progress: Callable[[], None] | None = None,
+    cache: CacheUse | None = None,
     prompt: str | list[int],
     suffix: str | None = None,
     max_tokens: int | None = 16,
@@ -229,7 +248,9 @@ def create(
 ) -> dict[str, Any] | Iterator[dict[str, Any]]:
     """llama-cpp-python's ``create_completion`` arguments and defaults (``sampling``: the
     fields of ``Sampling``, which has its sampler defaults); the job is submitted before this
-    returns (a stream's prefill starts before its first chunk is asked for)."""
+    returns (a stream's prefill starts before its first chunk is asked for). ``on_progress``:
+    the job's (see ``Job``); ``cache``: whose cached prefixes it may reuse (None: nobody's
+    but an anonymous caller's)."""
     del tfs_z  # accepted for compatibility; llama.cpp has no tail-free sampling any more
     if logits_processor is not None:
         raise ValueError("logits processors are not supported by the batched engine")
@@ -256,7 +277,16 @@ def create(
     chain = Sampling(
         logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()}, **sampling
     )
-    job = engine.submit(Job(tokens, max(max_tokens, 0), chain, logprobs, stop_token))
+    job = Job(
+        tokens,
+        max(max_tokens, 0),
+        chain,
+        logprobs,
+        stop_token,
+        asker=(cache or CacheUse()).asker(tokens),
+        on_progress=on_progress,
+    )
+    engine.submit(job)
     c = Completion(
         job,
         pieces,
@@ -271,11 +301,17 @@ def create(
     return c.chunks() if stream else c.answer()
 
 
-def counted(llm: Any, prompt: str | list[int], model: str | None = None) -> dict[str, Any]:
+def counted(
+    llm: Any, prompt: str | list[int], model: str | None = None, into: list[int] | None = None
+) -> dict[str, Any]:
     """A completion of nothing, in ``create``'s shape, whose usage counts ``prompt``'s tokens:
-    what a chat handler gets back when the request only counts its prompt (``Kind.TOKENIZE``).
-    Nothing is submitted to the engine."""
-    n = len(_prompt_tokens(llm, prompt, None, None)[0])
+    what a chat handler gets back when the request only counts its prompt (``Kind.TOKENIZE``),
+    or only renders it (``into`` then receives its tokens). Nothing is submitted to the
+    engine."""
+    tokens = _prompt_tokens(llm, prompt, None, None)[0]
+    if into is not None:
+        into.extend(tokens)
+    n = len(tokens)
     return {
         "id": f"cmpl-{uuid.uuid4()}",
         "object": "text_completion",

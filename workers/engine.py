@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from workers.slots import SlotState, check_transition, choose
+from workers.slots import Asker, Cached, SlotState, check_transition, choose
 
 log = logging.getLogger("residency.model")
 
@@ -91,7 +91,10 @@ class End:
 class Job:
     """One request on its way through the engine. ``n_probs`` is None without logprobs, else
     how many alternatives to report per token. ``stop_token`` may end the generation at a
-    token (a chat format's own stop token) before it is handed out."""
+    token (a chat format's own stop token) before it is handed out. ``asker`` says whose
+    cached prefixes it may reuse (``workers.slots.reusable``). ``on_progress`` is called on
+    the engine thread after every step its slot took part in — a prompt chunk or a token — so
+    a long prefill counts as progress for the stall watchdog; it must only note the step."""
 
     def __init__(
         self,
@@ -100,6 +103,9 @@ class Job:
         sampling: Sampling,
         n_probs: int | None = None,
         stop_token: Callable[[list[int]], bool] | None = None,
+        *,
+        asker: Asker | None = None,
+        on_progress: Callable[[], None] | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -108,6 +114,8 @@ class Job:
         self.sampling = sampling
         self.n_probs = n_probs
         self.stop_token = stop_token
+        self.asker = asker or Asker()
+        self.on_progress = on_progress
         self.cached = 0  # prompt tokens reused from its slot's memory (set when it gets one)
         self.sampler: Any = None  # built by Engine.submit
         self._out: queue.SimpleQueue[Token | End | BaseException] = queue.SimpleQueue()
@@ -144,6 +152,10 @@ class Slot:
     generated: int = 0
     used: float = 0.0  # when its last request ended (monotonic)
     admitted: int = 0  # arrival order, for fair prefill
+    # Whose request filled its memory, and how many of its first tokens that request marked
+    # shareable with other users (its system part, under ``[cache] scope = shared_system``).
+    owner: str = ""
+    shareable: int = 0
 
     def move(self, new: SlotState) -> None:
         check_transition(self.state, new)
@@ -152,6 +164,11 @@ class Slot:
 
 class EngineClosed(RuntimeError):
     pass
+
+
+class EngineDied(EngineClosed):
+    """The engine thread stopped on an error: nothing this process holds can decode again
+    (the model process exits so that its model is reloaded)."""
 
 
 class Engine:
@@ -171,12 +188,18 @@ class Engine:
         self._closed = threading.Event()
         self.prefilled = 0  # prompt tokens decoded (cached ones excluded), for tests and stats
         self.steps = 0
+        self.error: BaseException | None = None  # what stopped the engine thread, if anything
+        # Orders a submit's check and put against the thread's death: a job is either refused
+        # or in the inbox before the dying thread fails what the inbox holds.
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
     # -- the serving threads' side ----------------------------------------------------------
 
     def submit(self, job: Job) -> Job:
+        if self.error is not None:
+            raise EngineDied(f"the engine stopped: {self.error!r}")
         if self._closed.is_set():
             raise EngineClosed("the engine is closed")
         if len(job.prompt) >= self.n_ctx_slot:
@@ -185,7 +208,11 @@ class Engine:
                 f"Requested tokens ({len(job.prompt)}) exceed context window of {self.n_ctx_slot}"
             )
         job.sampler = self._b.sampler(job.sampling)
-        self._inbox.put(job)
+        with self._submit_lock:
+            if self.error is not None:
+                job.sampler.close()
+                raise EngineDied(f"the engine stopped: {self.error!r}")
+            self._inbox.put(job)
         return job
 
     def busy(self) -> int:
@@ -210,8 +237,10 @@ class Engine:
                     self._step()
         except Exception as e:  # a bug here must not leave serving threads waiting forever
             log.exception("the engine stopped")
-            self._fail_all(e)
-            self._closed.set()
+            with self._submit_lock:
+                self.error = e
+                self._closed.set()
+            self._fail_all(EngineDied(f"the engine stopped: {e!r}"))
             return
         self._fail_all(EngineClosed("the model process is stopping"))
 
@@ -235,13 +264,19 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting:
-            free = [(s.seq, s.cached, s.used) for s in self.slots if s.state is SlotState.FREE]
+            free = [
+                Cached(s.seq, s.cached, s.used, s.owner, s.shareable)
+                for s in self.slots
+                if s.state is SlotState.FREE
+            ]
             if not free:
                 return
             job = self._waiting.popleft()
-            c = choose(free, job.prompt)
+            c = choose(free, job.prompt, job.asker)
             slot = self.slots[c.slot]
             keep = self._trim(slot, c.keep)
+            slot.owner = job.asker.owner
+            slot.shareable = min(job.asker.shareable, len(job.prompt))
             slot.job = job
             slot.pending = job.prompt[keep:]
             slot.generated = 0
@@ -301,6 +336,9 @@ class Engine:
                 self._trim(s, 0)
                 self._finish(s, err)
             return
+        for s in in_batch:
+            if s.job is not None and s.job.on_progress is not None:
+                s.job.on_progress()
         for s, idx in sample:
             self._sampled(s, idx)
 

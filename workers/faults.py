@@ -6,6 +6,12 @@ model busy before its first token (like a long prompt: it counts as progress and
 cancel, deadline and stop), a per-token delay (so a test can make "busy" or "slow"
 deterministic instead of racing a fast model), and a hang: a generation that blocks with no
 progress and honours nothing (for the stall watchdog) until the fault is cleared.
+
+``FaultyBackend`` sits in front of the engine's real backend (same interface): a delay added to
+every engine step (``step_delay_s``: a prefill that takes many slow chunks, like a long prompt
+on a slow machine) and a one-shot ``engine_crash`` that makes the engine thread raise at the
+first step of the next request (a bug in the engine: the process must not live on without it).
+Both are read when a request starts, like the faults above.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import redis
 
 from residency import keys
 from residency.settings import ModelSpec
-from workers.completion import OnUsage
+from workers.completion import CacheUse, OnUsage
+from workers.engine import Backend
 from workers.runtime import OnStep, Runtime
 
 POLL_S = 0.05
@@ -29,12 +36,58 @@ class InjectedLoadFailure(RuntimeError):
     pass
 
 
+class InjectedEngineCrash(RuntimeError):
+    pass
+
+
+class StepFaults:
+    """The step faults of one model, read by ``FaultyRuntime`` when a request starts (as its
+    other faults are) and applied by the ``FaultyBackend`` it wraps the engine's backend in."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self.delay = 0.0
+        self.crash = False
+
+    def wrap(self, inner: Backend) -> Backend:
+        return FaultyBackend(inner, self)
+
+
+class FaultyBackend:
+    """The engine's real backend, each ``decode`` (one engine step) slowed or made to raise."""
+
+    def __init__(self, inner: Backend, faults: StepFaults) -> None:
+        self.inner = inner
+        self.n_vocab = inner.n_vocab
+        self.faults = faults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def decode(self) -> int:
+        f = self.faults
+        if f.crash:
+            f.crash = False
+            raise InjectedEngineCrash("injected engine crash")
+        if f.delay > 0:
+            f.stop.wait(f.delay)
+        return self.inner.decode()
+
+
 class FaultyRuntime:
-    def __init__(self, inner: Runtime, r: redis.Redis, model: str, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        inner: Runtime,
+        r: redis.Redis,
+        model: str,
+        stop: threading.Event,
+        steps: StepFaults | None = None,
+    ) -> None:
         self.inner = inner
         self.r = r
         self.model = model
         self.stop = stop
+        self.steps = steps  # the step faults of inner's engine backend, if it has one
 
     @property
     def parallel(self) -> int:
@@ -83,6 +136,18 @@ class FaultyRuntime:
         ):
             time.sleep(POLL_S)
 
+    def _read_steps(self) -> None:
+        if self.steps is None:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(keys.faults(), f"step_delay_s:{self.model}")
+        # HDEL is atomic: exactly one request's step raises.
+        pipe.hdel(keys.faults(), f"engine_crash:{self.model}")
+        delay, crash = pipe.execute()
+        self.steps.delay = float(cast(str | None, delay) or 0)
+        if crash:
+            self.steps.crash = True
+
     def _slowed(self, on_step: OnStep | None) -> OnStep | None:
         """Delay every generated token by ``token_delay_s:<model>`` (a slow model on demand),
         streamed or not."""
@@ -104,10 +169,16 @@ class FaultyRuntime:
         stream: bool,
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
+        *,
+        on_progress: OnStep | None = None,
+        cache: CacheUse | None = None,
     ) -> Any:
         self._hang()
         self._hold(on_step)
-        return self.inner.chat(params, stream, self._slowed(on_step), on_usage)
+        self._read_steps()
+        return self.inner.chat(
+            params, stream, self._slowed(on_step), on_usage, on_progress=on_progress, cache=cache
+        )
 
     def completion(
         self,
@@ -115,10 +186,16 @@ class FaultyRuntime:
         stream: bool,
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
+        *,
+        on_progress: OnStep | None = None,
+        cache: CacheUse | None = None,
     ) -> Any:
         self._hang()
         self._hold(on_step)
-        return self.inner.completion(params, stream, self._slowed(on_step), on_usage)
+        self._read_steps()
+        return self.inner.completion(
+            params, stream, self._slowed(on_step), on_usage, on_progress=on_progress, cache=cache
+        )
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
         self._hold(None)
@@ -131,6 +208,9 @@ class FaultyRuntime:
     def count_tokens(self, params: dict[str, Any]) -> dict[str, Any]:
         self._hold(None)
         return self.inner.count_tokens(params)
+
+    def failure(self) -> BaseException | None:
+        return self.inner.failure()
 
     def close(self) -> None:
         self.inner.close()

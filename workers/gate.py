@@ -4,9 +4,12 @@ them.
 A model process gives each request a ``Gate``; the runtime calls its ``step`` once per
 generated token (streamed or not). ``step`` counts the token and raises ``Stopped`` when the
 client went away (its cancel flag), the request's deadline passed, or — for a non-stream
-request — the process is stopping. It costs no Redis round trip: the ``Watcher`` thread reads
-the cancel flags of the running requests every ``POLL_S`` and sets their Events, and it writes
-the progress key (``keys.progress``) that the agent's stall watchdog reads.
+request — the process is stopping. The engine thread calls its ``progress`` after every step
+the request's slot took part in — a chunk of its prompt as much as a token — so a prompt that
+takes longer to prefill than ``worker.stall_s`` is progress, not a stall. Neither costs a
+Redis round trip: the ``Watcher`` thread reads the cancel flags of the running requests every
+``POLL_S`` and sets their Events, and it writes the progress key (``keys.progress``) that the
+agent's stall watchdog reads.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Gate:
         self.stop = stop
         self.cancelled = threading.Event()
         self.steps = 0
+        self.engine_steps = 0  # engine steps its slot took part in (written by that thread)
         self.chunks_sent = 0  # a stream's chunks written so far (counted when it is cancelled)
 
     def expired(self) -> bool:
@@ -72,6 +76,16 @@ class Gate:
         """One generated token (or, for the hold fault, one wait): progress, then the checks."""
         self.steps += 1
         self.check()
+
+    def progress(self) -> None:
+        """One engine step of its slot (a prompt chunk or a token): progress only. Called on
+        the engine thread, so it does nothing else."""
+        self.engine_steps += 1
+
+    @property
+    def moves(self) -> int:
+        """Everything that counts as progress so far."""
+        return self.steps + self.engine_steps
 
 
 class Watcher:
@@ -110,7 +124,7 @@ class Watcher:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        written: dict[Gate, int] = {}  # steps of each gate when progress was last written
+        written: dict[Gate, int] = {}  # moves of each gate when progress was last written
         written_at = 0.0
         while not self._done.wait(POLL_S):
             with self._lock:
@@ -121,7 +135,7 @@ class Watcher:
                 continue
             now = time.monotonic()
             new = any(g not in written for g in gates)
-            moved = any(written.get(g) != g.steps for g in gates)
+            moved = any(written.get(g) != g.moves for g in gates)
             due = new or (moved and now - written_at >= PROGRESS_EVERY_S)
             try:
                 pipe = self.r.pipeline(transaction=False)
@@ -140,5 +154,5 @@ class Watcher:
                 if cancelled:
                     g.cancelled.set()
             if due:
-                written = {g: g.steps for g in gates}
+                written = {g: g.moves for g in gates}
                 written_at = now

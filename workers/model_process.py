@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from residency import keys, ledger, metrics, registry, work
+from residency import keys, ledger, metrics, procs, registry, work
 from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -28,10 +28,10 @@ from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
 from residency.settings import ModelSpec
 from residency.states import ModelState
-from residency.work import add_reply
 from workers import memory
-from workers.completion import REPORT, OnUsage
-from workers.faults import FaultyRuntime
+from workers.completion import REPORT, CacheUse, OnUsage
+from workers.engine import EngineDied
+from workers.faults import FaultyRuntime, StepFaults
 from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.runtime import LlamaRuntime, Runtime
 
@@ -91,6 +91,9 @@ class ModelProcess:
         self.yielding = False
         self._service_s: float | None = None  # moving average of a request's time in its slot
         self._service_lock = threading.Lock()
+        # What stopped the runtime's engine thread: the process then takes nothing more and
+        # exits (procs.ENGINE_DIED_EXIT) instead of answering every request with an error.
+        self.engine_error: BaseException | None = None
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -210,8 +213,8 @@ class ModelProcess:
         self._free = threading.Semaphore(self.parallel)
         self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="request")
 
-        def step() -> bool:  # True: exit (stopped, unloaded, or no longer the owner)
-            return self.stop.is_set() or self.serve_once(waker)
+        def step() -> bool:  # True: exit (stopped, its engine dead, unloaded, or not the owner)
+            return self.stop.is_set() or self._engine_dead() or self.serve_once(waker)
 
         try:
             while not self.retrying("serve the queue", step):
@@ -258,6 +261,13 @@ class ModelProcess:
                 return True
             self.hand_back_orphans()
         return False
+
+    def _engine_dead(self) -> bool:
+        err = self.runtime.failure()
+        if err is not None and self.engine_error is None:
+            log.error("%s: its engine thread died (%r); exiting", self.model, err)
+            self.engine_error = err
+        return err is not None
 
     def hand_back_orphans(self) -> None:
         """Requests on this model's processing list that none of its threads serves: only a
@@ -376,6 +386,13 @@ class ModelProcess:
                 last = self._deadline_error(req)
             else:
                 self._cancelled(req.id, gate.chunks_sent)
+        except EngineDied:
+            # Not this request's fault: it stays on the processing list, and the agent hands
+            # it back (requeued for the reloaded model if it has no output yet) once this
+            # process has exited.
+            log.warning("%s: request %s left to the agent: the engine died", self.model, req.id)
+            self._engine_dead()
+            return
         except ApiError as e:
             last = (ReplyType.ERROR, e.to_reply())
         except REDIS_DOWN as e:
@@ -461,7 +478,14 @@ class ModelProcess:
         params = dict(req.params)
         opts = params.pop("stream_options", None) or {}
         report = bool(params.pop(REPORT_PARAM, False))
-        result = call(params, req.stream, step, on_usage)
+        result = call(
+            params,
+            req.stream,
+            step,
+            on_usage,
+            on_progress=gate.progress if gate is not None else None,
+            cache=CacheUse(req.user, req.cache_scope),
+        )
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
@@ -519,7 +543,7 @@ class ModelProcess:
                     renew = sent == 0 or now - last_ttl >= RENEW_TTL_S
                     if renew:
                         last_ttl = now
-                    if self._flush(req.id, batch, set_ttl=renew):
+                    if self._flush(req.id, batch, renew=renew, gate=gate):
                         self._cancelled(req.id, sent)
                         return None
                     sent += len(batch)
@@ -528,12 +552,13 @@ class ModelProcess:
                     batch.clear()
             if batch and tail is not None:
                 tail.extend(batch)
-            elif batch:
-                self._flush(req.id, batch)
+            elif batch and self._flush(req.id, batch, gate=gate):
+                self._cancelled(req.id, sent)
+                return None
             return ReplyType.DONE, {}
         except Stopped as e:
             if e.reason is Reason.DEADLINE and batch:
-                self._flush(req.id, batch)
+                self._flush(req.id, batch, gate=gate)
             raise
         finally:
             close = getattr(it, "close", None)
@@ -547,12 +572,21 @@ class ModelProcess:
         metrics.inc(pipe, metrics.CANCELLED_CHUNKS_TOTAL, {"model": self.model}, chunks_sent)
         pipe.execute()
 
-    def _flush(self, req_id: str, batch: list[dict[str, Any]], *, set_ttl: bool = True) -> bool:
-        """Write a batch of chunks; returns True when the request was cancelled."""
-        pipe = self.r.pipeline(transaction=False)
-        add_reply(pipe, req_id, ReplyType.CHUNK, {"chunks": batch}, set_ttl=set_ttl)
-        pipe.exists(keys.cancel(req_id))
-        return bool(pipe.execute()[-1])
+    def _flush(
+        self,
+        req_id: str,
+        batch: list[dict[str, Any]],
+        *,
+        renew: bool = True,
+        gate: Gate | None = None,
+    ) -> bool:
+        """Write a batch of chunks; returns True when the request was cancelled (then nothing
+        is written: its client's web thread deleted the reply stream, and a write would make
+        it again). The watcher's flag saves the round trip; the script checks the flag itself
+        in the same step as the write."""
+        if gate is not None and gate.cancelled.is_set():
+            return True
+        return self.scripts.flush(req_id, batch, renew=renew)
 
 
 def _adder(total: list[int]) -> OnUsage:
@@ -654,8 +688,10 @@ def retry_while_down(what: str, fn: Callable[[], T], stop: threading.Event) -> T
 def build_runtime(
     r: redis.Redis, model: str, fault_injection: bool, stop: threading.Event
 ) -> Runtime:
-    rt: Runtime = LlamaRuntime()
-    return FaultyRuntime(rt, r, model, stop) if fault_injection else rt
+    if not fault_injection:
+        return LlamaRuntime()
+    steps = StepFaults(stop)
+    return FaultyRuntime(LlamaRuntime(wrap=steps.wrap), r, model, stop, steps)
 
 
 def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | None:
@@ -730,6 +766,10 @@ def main(argv: list[str] | None = None) -> int:
         proc.serve()
     finally:
         proc.runtime.close()
+    if proc.engine_error is not None:
+        # The agent reports it as a crash: its in-flight requests are handed back and the
+        # model is loaded again on demand.
+        return procs.ENGINE_DIED_EXIT
     # Exiting without committing an unload (SIGTERM) leaves the state to the agent, which hands
     # any in-flight request back to the queue.
     return 0

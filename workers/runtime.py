@@ -12,6 +12,8 @@ import random
 import re
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Protocol
 
 import numpy as np
@@ -19,7 +21,7 @@ import numpy as np
 from residency.errors import ApiError
 from residency.settings import ModelSpec
 from workers import chat_tools, completion, devices, rerank, toolcalls
-from workers.completion import OnUsage, Pieces
+from workers.completion import CacheUse, OnUsage, Pieces
 from workers.engine import Backend, Engine, Sampling
 
 #: Tokens the repetition penalties look back over (llama-cpp-python's default).
@@ -28,6 +30,19 @@ PENALTY_LAST_N = 64
 #: Called by a runtime once per generated token, streamed or not; raising ends the generation
 #: (the model process's ``workers.gate.Gate.step``: cancel, deadline, shutdown).
 OnStep = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What one request's generations report to and carry: ``on_step`` per generated token
+    (may raise to end it), ``on_usage`` at each generation's end, ``on_progress`` per engine
+    step of its slot (prefill chunks included: the stall watchdog's progress), and ``cache``
+    (whose cached prompt prefixes it may reuse)."""
+
+    on_step: OnStep | None = None
+    on_usage: OnUsage | None = None
+    on_progress: OnStep | None = None
+    cache: CacheUse | None = None
 
 
 class Runtime(Protocol):
@@ -44,6 +59,9 @@ class Runtime(Protocol):
         stream: bool,
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
+        *,
+        on_progress: OnStep | None = None,
+        cache: CacheUse | None = None,
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def completion(
@@ -52,6 +70,9 @@ class Runtime(Protocol):
         stream: bool,
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
+        *,
+        on_progress: OnStep | None = None,
+        cache: CacheUse | None = None,
     ) -> Iterator[dict[str, Any]] | dict[str, Any]: ...
 
     def embed(self, inputs: list[str]) -> dict[str, Any]: ...
@@ -61,6 +82,11 @@ class Runtime(Protocol):
         ...
 
     def count_tokens(self, params: dict[str, Any]) -> dict[str, Any]: ...
+
+    def failure(self) -> BaseException | None:
+        """What stopped its engine thread (None: it runs, or it has none): a process whose
+        engine died can serve nothing more and exits."""
+        ...
 
     def close(self) -> None: ...
 
@@ -97,25 +123,71 @@ def _client_error(e: ValueError, param: str) -> ApiError | None:
 
 @contextlib.contextmanager
 def _client_errors(param: str) -> Iterator[None]:
-    """llama.cpp's ValueErrors about the request's input, raised as the client's 400."""
+    """llama.cpp's ValueErrors about the request's input, and a chat template's refusal of
+    its messages, raised as the client's 400."""
     try:
         yield
     except ValueError as e:
-        err = _client_error(e, param)
+        err = _client_error(e, param) or _template_refusal(e)
         if err is None:
             raise
         raise err from None
 
 
-def _guarded(chunks: Iterator[dict[str, Any]], param: str) -> Iterator[dict[str, Any]]:
-    # Closing this generator closes the engine's (which cancels its job).
-    with _client_errors(param):
-        yield from chunks
+def _template_refusal(e: ValueError) -> ApiError | None:
+    """The 400 for a chat template's own ``raise_exception`` (e.g. "Conversation roles must
+    alternate"): llama-cpp-python's Jinja formatters raise it as a ValueError from a function
+    of that name, so the innermost frame tells it from any other ValueError."""
+    tb: TracebackType | None = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code.co_name != "raise_exception":
+        return None
+    return ApiError(
+        400,
+        f"this model's chat template refused the messages: {e}",
+        param="messages",
+        code="invalid_messages",
+    )
 
 
-# The gate of the request the calling thread serves: ``create_completion`` is reached through
+# The hooks of the request the calling thread serves: ``create_completion`` is reached through
 # llama-cpp-python's chat handlers, which pass on no argument of ours.
 _serving = threading.local()
+
+
+@contextlib.contextmanager
+def _hooked(hooks: Hooks) -> Iterator[None]:
+    prev = getattr(_serving, "hooks", None)
+    _serving.hooks = hooks
+    try:
+        yield
+    finally:
+        _serving.hooks = prev
+
+
+def _guarded(
+    chunks: Iterator[dict[str, Any]], param: str, hooks: Hooks
+) -> Iterator[dict[str, Any]]:
+    """A stream whose every step runs with the request's hooks in place: a chat handler may
+    create its completions lazily, inside its stream (functionary does), and they must still
+    get the per-token hook and count usage. Closing it closes the engine's (which cancels its
+    job)."""
+    it = iter(chunks)
+    try:
+        with _client_errors(param):
+            while True:
+                with _hooked(hooks):
+                    try:
+                        chunk = next(it)
+                    except StopIteration:
+                        return
+                yield chunk
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            with _hooked(hooks):
+                close()
 
 
 @functools.cache
@@ -150,11 +222,19 @@ def _batched_llama() -> Any:
         def create_completion(self, prompt: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             assert self.engine is not None and self.pieces is not None
             if getattr(_serving, "count_only", False):
-                return completion.counted(self, prompt, kwargs.get("model"))
-            on_step = getattr(_serving, "on_step", None)
-            on_usage = getattr(_serving, "on_usage", None)
+                into = getattr(_serving, "rendered", None)
+                return completion.counted(self, prompt, kwargs.get("model"), into)
+            hooks: Hooks = getattr(_serving, "hooks", None) or Hooks()
             return completion.create(
-                self, self.engine, self.pieces, on_step, on_usage=on_usage, prompt=prompt, **kwargs
+                self,
+                self.engine,
+                self.pieces,
+                hooks.on_step,
+                on_usage=hooks.on_usage,
+                on_progress=hooks.on_progress,
+                cache=hooks.cache,
+                prompt=prompt,
+                **kwargs,
             )
 
     return BatchedLlama
@@ -376,16 +456,46 @@ class LlamaRuntime:
         stream: bool,
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
+        *,
+        on_progress: OnStep | None = None,
+        cache: CacheUse | None = None,
     ) -> Any:
+        if cache is not None and cache.scope == "shared_system":
+            cache = CacheUse(cache.owner, cache.scope, self._system_tokens(params))
         plan = chat_tools.plan(params, self._tools, self.llm.chat_format, stream)
         params = self._grammars(plan)
         create = self.llm.create_chat_completion
-        out = self._call(create, params, stream, "messages", on_step, on_usage)
+        hooks = Hooks(on_step, on_usage, on_progress, cache)
+        out = self._call(create, params, stream, "messages", hooks)
         if plan.parse:
             if stream:
                 return toolcalls.stream_with_calls(out, plan.parse)
             return toolcalls.answer_with_calls(out, plan.parse)
         return toolcalls.normalized_calls(out) if plan.normalize else out
+
+    def _system_tokens(self, params: dict[str, Any]) -> list[int]:
+        """The tokens of the request's leading system message(s) rendered alone by the model's
+        chat handler, without tools or anything else the request adds: the prompt's tokens
+        that begin with these are its part other users may share. Empty when it has none, or
+        the template will not render them alone."""
+        messages = params.get("messages") or []
+        system: list[Any] = []
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") != "system":
+                break
+            system.append(m)
+        if not system:
+            return []
+        rendered: list[int] = []
+        prev = getattr(_serving, "count_only", False), getattr(_serving, "rendered", None)
+        _serving.count_only, _serving.rendered = True, rendered
+        try:
+            self.llm.create_chat_completion(messages=system)
+        except Exception:  # a template that needs a user turn: nothing is shared
+            return []
+        finally:
+            _serving.count_only, _serving.rendered = prev
+        return rendered
 
     def _grammars(self, plan: chat_tools.Plan) -> dict[str, Any]:
         """The request's arguments with each JSON schema it asks for compiled here, so that a
@@ -438,29 +548,23 @@ class LlamaRuntime:
         stream: bool,
         on_step: OnStep | None = None,
         on_usage: OnUsage | None = None,
+        *,
+        on_progress: OnStep | None = None,
+        cache: CacheUse | None = None,
     ) -> Any:
         create = self.llm.create_completion
-        return self._call(create, params, stream, "prompt", on_step, on_usage)
+        hooks = Hooks(on_step, on_usage, on_progress, cache)
+        return self._call(create, params, stream, "prompt", hooks)
 
     def _call(
-        self,
-        create: Any,
-        params: dict[str, Any],
-        stream: bool,
-        param: str,
-        on_step: OnStep | None,
-        on_usage: OnUsage | None,
+        self, create: Any, params: dict[str, Any], stream: bool, param: str, hooks: Hooks
     ) -> Any:
         self._check_logit_bias(params)
-        # Read by create_completion in this thread before it returns: a stream's job is
-        # submitted at once, and its chunks call the callbacks they captured.
-        _serving.on_step, _serving.on_usage = on_step, on_usage
-        try:
-            with _client_errors(param):
-                out = create(**params, stream=stream)
-        finally:
-            _serving.on_step = _serving.on_usage = None
-        return _guarded(out, param) if stream else out
+        # Read by create_completion in this thread: at once for most handlers (a stream's job
+        # is submitted before its first chunk), inside the stream for lazy ones (_guarded).
+        with _client_errors(param), _hooked(hooks):
+            out = create(**params, stream=stream)
+        return _guarded(out, param, hooks) if stream else out
 
     def _check_logit_bias(self, params: dict[str, Any]) -> None:
         # llama.cpp indexes the logits with these ids: one past the vocabulary is an IndexError.
@@ -485,6 +589,9 @@ class LlamaRuntime:
         finally:
             _serving.count_only = False
         return {"input_tokens": int(out["usage"]["prompt_tokens"])}
+
+    def failure(self) -> BaseException | None:
+        return self._engine.error if self._engine is not None else None
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
         with _client_errors("input"):

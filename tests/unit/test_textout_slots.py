@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from workers.slots import TRANSITIONS, Choice, SlotState, check_transition, choose, common_prefix
+from residency.settings import CACHE_SCOPES
+from workers.slots import (
+    TRANSITIONS,
+    Asker,
+    Cached,
+    Choice,
+    SlotState,
+    check_transition,
+    choose,
+    common_prefix,
+)
 from workers.textout import TextOut
 
 
@@ -66,18 +76,53 @@ def test_nothing_is_added_after_a_stop() -> None:
 
 
 def test_the_slot_sharing_the_longest_prefix_is_chosen() -> None:
-    free = [(0, [1, 2], 5.0), (1, [1, 2, 3, 4], 1.0), (2, [], 0.0)]
+    free = [Cached(0, [1, 2], 5.0), Cached(1, [1, 2, 3, 4], 1.0), Cached(2, [], 0.0)]
     assert choose(free, [1, 2, 3, 9]) == Choice(1, 3)
 
 
 def test_with_no_shared_prefix_the_least_recently_used_slot_is_chosen() -> None:
-    free = [(0, [7], 5.0), (1, [8], 1.0), (2, [9], 3.0)]
+    free = [Cached(0, [7], 5.0), Cached(1, [8], 1.0), Cached(2, [9], 3.0)]
     assert choose(free, [1, 2]) == Choice(1, 0)
 
 
 def test_a_prompt_entirely_cached_still_leaves_one_token_to_decode() -> None:
-    assert choose([(0, [1, 2, 3, 4], 0.0)], [1, 2, 3]) == Choice(0, 2)
-    assert choose([(0, [], 0.0)], [5]) == Choice(0, 0)
+    assert choose([Cached(0, [1, 2, 3, 4])], [1, 2, 3]) == Choice(0, 2)
+    assert choose([Cached(0, [])], [5]) == Choice(0, 0)
+
+
+# A slot filled by user "a" whose first 3 tokens (its system part) it marked shareable.
+A_SLOT = Cached(0, [1, 2, 3, 4, 5, 6], 0.0, owner="a", shareable=3)
+PROMPT = [1, 2, 3, 4, 5, 9]
+
+
+def test_the_same_user_reuses_its_whole_prefix_under_every_scope() -> None:
+    for scope in CACHE_SCOPES:
+        assert choose([A_SLOT], PROMPT, Asker("a", 3, scope)) == Choice(0, 5)
+
+
+def test_another_user_reuses_nothing_under_user_scope() -> None:
+    assert choose([A_SLOT], PROMPT, Asker("b", 3, "user")) == Choice(0, 0)
+    assert choose([A_SLOT], PROMPT) == Choice(0, 0)  # the default asker is nobody's
+
+
+def test_shared_system_caps_reuse_across_users_at_both_shareable_parts() -> None:
+    assert choose([A_SLOT], PROMPT, Asker("b", 3, "shared_system")) == Choice(0, 3)
+    assert choose([A_SLOT], PROMPT, Asker("b", 2, "shared_system")) == Choice(0, 2)
+    assert choose([A_SLOT], PROMPT, Asker("b", 9, "shared_system")) == Choice(0, 3)
+    # What is shared is still only a common prefix.
+    assert choose([A_SLOT], [1, 7], Asker("b", 2, "shared_system")) == Choice(0, 1)
+
+
+def test_global_reuses_across_users() -> None:
+    assert choose([A_SLOT], PROMPT, Asker("b", 0, "global")) == Choice(0, 5)
+
+
+def test_another_users_match_does_not_steer_the_choice_under_user_scope() -> None:
+    # b's prompt matches a's slot 1 but b may not reuse it: the least recently used slot is
+    # taken, as with no match at all (the choice reveals nothing of a's prompt either).
+    free = [Cached(0, [7], 1.0, owner="c"), Cached(1, PROMPT, 5.0, owner="a")]
+    assert choose(free, PROMPT, Asker("b", 0, "user")) == Choice(0, 0)
+    assert choose(free, PROMPT, Asker("a", 0, "user")) == Choice(1, 5)
 
 
 def test_choose_needs_a_free_slot() -> None:
