@@ -32,6 +32,9 @@ from web import admission
 log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000
+#: Calls of the submit script for one request whose user is within its share of a full queue:
+#: each names the request to push out, and the next pushes it out unless the queue changed.
+PUSH_OUT_TRIES = 3
 READ_COUNT = 100
 #: Sent in a ``Batch`` when a stream has been quiet for its keep-alive interval (the same
 #: object every time: compare with ``is``).
@@ -298,17 +301,29 @@ def submit(
         key=key,
     )
     item = req.dumps()
+    push_out: tuple[str, dict[str, Any]] | None = None
     try:
-        code, val = scripts.submit(
-            model,
-            item,
-            bound=bound,
-            demand_event=Event(EventType.DEMAND, model).to_dict(),
-            may_load=may_load,
-            user=user,
-            weight=weight,
-            fair=fair,
-        )
+        for _ in range(PUSH_OUT_TRIES):
+            code, val = scripts.submit(
+                model,
+                item,
+                bound=bound,
+                demand_event=Event(EventType.DEMAND, model).to_dict(),
+                may_load=may_load,
+                user=user,
+                weight=weight,
+                fair=fair,
+                request_id=req.id,
+                push_out=push_out,
+            )
+            if code != 3:
+                break
+            # Full, but this user is within its share: the request named makes room (the
+            # script pushes it out only if it is still the one to go when called again).
+            retry = _queue_retry_after(r, model, bound)
+            push_out = (str(val), errors.pushed_out(model, bound, retry).to_reply())
+        else:
+            code, val = 0, bound  # the queue kept changing under us: full, as for anyone
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise storage_unavailable(e) from e
     if code == 2:
@@ -316,6 +331,9 @@ def submit(
     if code == 0:
         depth = int(val)
         raise errors.queue_full(model, depth, _queue_retry_after(r, model, depth))
+    if push_out is not None:
+        log.info("request %s for %s pushed out %s (its user above its share)", req.id, model,
+                 push_out[0])
     return Call(r, req, item, timeout_s, scripts, client_gone, keepalive_s)
 
 
