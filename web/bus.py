@@ -250,6 +250,18 @@ class Call:
         except redis.RedisError:
             log.warning("could not delete reply stream of %s (it expires)", self.req.id)
 
+    def push_out(self, error: ApiError) -> bool:
+        """Make room for another user's request: take this one out of its queue with
+        ``error`` as its reply, which the thread reading it answers its client with at once.
+        False when a model process took it already (or Redis did not answer): it stays."""
+        if self.closed:
+            return False
+        try:
+            return self.scripts.push_out(self.model, self.req.id, self.item, error.to_reply())
+        except redis.RedisError:
+            log.warning("could not push out request %s for %s", self.req.id, self.model)
+            return False
+
     def abandon(self) -> None:
         """Nobody will read the reply: drop the request from the queue if it is still there,
         else stop its generation (the cancel flag)."""
@@ -332,8 +344,9 @@ def submit(
         depth = int(val)
         raise errors.queue_full(model, depth, _queue_retry_after(r, model, depth))
     if push_out is not None:
-        log.info("request %s for %s pushed out %s (its user above its share)", req.id, model,
-                 push_out[0])
+        log.info(
+            "request %s for %s pushed out %s (its user above its share)", req.id, model, push_out[0]
+        )
     return Call(r, req, item, timeout_s, scripts, client_gone, keepalive_s)
 
 

@@ -266,13 +266,11 @@ def test_a_full_queue_makes_room_for_a_user_within_its_share(m: Model, fair: boo
 
 
 @pytest.mark.parametrize("fair", [True, False])
-def test_the_newest_request_of_the_user_furthest_above_its_share_goes(
-    m: Model, fair: bool
-) -> None:
+def test_the_newest_request_of_the_user_furthest_above_its_share_goes(m: Model, fair: bool) -> None:
     a = [push(m, "a", bound=6, fair=fair)[0] for _ in range(4)]
     b = [push(m, "b", bound=6, fair=fair)[0] for _ in range(2)]
     # Shares of 6 among a, b, c: 2 each. a is 2 above, b at its share.
-    c1, res, gone = push(m, "c", bound=6, fair=fair)
+    _c1, res, gone = push(m, "c", bound=6, fair=fair)
     assert res == (1, 6) and gone == id_of(a[-1])
     # Now a 3 (1 above), b 2, c 1 (1 below): c's second takes a's newest again.
     c2, _, gone = push(m, "c", bound=6, fair=fair)
