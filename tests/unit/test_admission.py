@@ -70,9 +70,9 @@ def test_weights_set_the_in_flight_shares() -> None:
     held = places(*[("a", 1, True)] * 3, *[("b", 3, True)] * 5)
     assert share_victim(held, 8, "c", 1.0)[:3] == [held[2], held[1], held[0]]
     assert share_victim(held, 8, "c", 1.0)[3:] == [held[7], held[6], held[5], held[4], held[3]]
-    # With weight 6, c's share is 8 x 6/10 = 4.8: its first request is within it, its
-    # fifth is not.
-    assert share_victim(held, 8, "c", 6.0)[0] is held[2]
+    # With weight 6, c's share is 8 x 6/10 = 4.8 (its first request is within it, its fifth
+    # is not), a's 0.8 and b's 2.4: b is furthest above now (2.6 to a's 2.2).
+    assert share_victim(held, 8, "c", 6.0)[0] is held[7]
     mine = places(*[("c", 6, True)] * 4)
     assert share_victim([*held, *mine], 8, "c", 6.0) == []
 
