@@ -3,7 +3,10 @@
 A worker holds every API request it admitted — waiting in a queue, waiting for a load,
 streaming — until its response is closed. ``server.max_in_flight`` bounds that number per
 worker: past it a request gets 429 at once instead of adding to a wait that can only grow, and
-the greenlets (or threads) left keep ``/livez``, ``/readyz`` and ``/admin`` answering.
+the greenlets (or threads) left keep ``/livez``, ``/readyz`` and ``/admin`` answering. The
+places are shared between users: a user within its share of them (``share_victim``) who finds
+the worker full is let in by pushing out the newest still-queued request of the user furthest
+above its share, so one user's thousand waiting requests cannot shut another user out.
 
 ``Retry-After`` is computed, never a constant: for a full model queue, the time its slots need
 to work through the requests ahead (depth x the model's observed time per request / slots); for
@@ -82,7 +85,8 @@ def share_victim(places: Iterable[Place], cap: int, user: str, weight: float) ->
     for p in places:
         if not p.leaving:
             held.setdefault(p.user, []).append(p)
-            weights[p.user] = p.weight
+            # A weight changed while requests were held: the largest of its requests' weights.
+            weights[p.user] = max(weights.get(p.user, 0.0), p.weight)
     weights[user] = weight
     total = weight + sum(w for u, w in weights.items() if u != user and u in held)
 

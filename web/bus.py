@@ -8,6 +8,9 @@ cancel flag tells the model process that took it to stop. While no reply has com
 also watches the client's connection (``client_gone``), so a client that goes away while its
 request is queued has it withdrawn before any model process generates it, and the request's
 deadline (``server.request_deadline_s``), so one still queued then is answered 504 at once.
+A queued request may also be pushed out to make room for another user's (a full queue, or a
+full web worker, see ``web/admission.py``): it leaves the queue together with a 429 on its reply
+stream, which its reader answers its client with like any other reply.
 """
 
 from __future__ import annotations
@@ -293,13 +296,16 @@ def submit(
     weight: float = 1.0,
     fair: bool = True,
 ) -> Call:
-    """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
+    """Queue a request and return its Call. The queue is bounded (``bound``) and the bound
+    shared between users: a full queue refuses 429 with Retry-After, unless ``user`` is within
+    its share of it, when the newest queued request of the user furthest above its share is
+    answered that 429 instead and this one takes its place (``submit.lua``, ``_shares.lua``).
     ``deadline_s``: it must be finished that long after submit (0: no deadline). ``user``:
-    who asked (usage and fair turns); ``key``: the id of its API key (daily quotas); without
-    ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is queued
-    (the request would load it). ``weight``: the
-    user's share of the model's turns; ``fair``: take turns between users (``pool.fair_queues``)
-    rather than first come, first served."""
+    who asked (usage, fair turns and shares); ``key``: the id of its API key (daily quotas);
+    without ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is
+    queued (the request would load it). ``weight``: the user's share of the model's turns and
+    of its queue; ``fair``: take turns between users (``pool.fair_queues``) rather than first
+    come, first served."""
     now = time.time()
     req = Request(
         id=new_request_id(),

@@ -62,7 +62,8 @@ local function share_victim(finish, queue, processing, depth, bound, user, weigh
   local counts, weights = {}, {}
   for _, o in pairs(owners) do
     counts[o[2]] = (counts[o[2]] or 0) + 1
-    weights[o[2]] = o[1]
+    -- A weight changed while requests were queued: the largest of its requests' weights.
+    weights[o[2]] = math.max(weights[o[2]] or 0, o[1])
   end
   weights[user] = weight
   local sum = weight
