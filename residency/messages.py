@@ -53,6 +53,8 @@ class Request:
     key: str = ""
 
     def dumps(self) -> str:
+        # ``id`` is the first field, written first: the Lua scripts read a queued request's id
+        # from the start of its JSON (``request_id`` in _fair.lua) rather than decode it whole.
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod

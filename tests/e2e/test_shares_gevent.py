@@ -8,10 +8,6 @@ Assertions are on statuses and counts; a timeout only bounds a broken test."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,47 +16,20 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import tiny_models, write_config
-from tests.e2e.test_web_tier import free_port, wait_for
+from tests.e2e import test_web_tier as web_tier
+from tests.e2e.test_web_tier import wait_for
 
 pytestmark = pytest.mark.e2e
 
 M = "a"
 
 
-class Box:
+class Box(web_tier.Box):
     def __init__(self, tmp: Path, models_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        data = tmp / "data"
-        cfg = write_config(
-            tmp / "box.toml",
-            {
-                "server": {"port": self.port, "web_workers": 1, "max_in_flight": 3},
-                "debug": {"fault_injection": True},
-                "models": tiny_models(models_dir),
-            },
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESIDENCY_")}
-        self.log = tmp / "up.log"
-        with self.log.open("wb") as out:
-            args = ["up", "--config", str(cfg), "--data-dir", str(data)]
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "residency.cli", *args],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        wait_for(lambda: "residency is up" in self.log.read_text(errors="replace"), "the box")
-        self.admin = {"Authorization": f"Bearer {(data / 'admin.key').read_text().strip()}"}
+        super().__init__(tmp, models_dir, server={"web_workers": 1, "max_in_flight": 3})
 
     def post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         return requests.post(self.url + path, json=body, headers=headers, timeout=120)
-
-    def model(self) -> dict[str, Any]:
-        health = requests.get(self.url + "/health", headers=self.admin, timeout=30).json()
-        [m] = [m for m in health["models"] if m["name"] == M]
-        return dict(m)
 
     def key_of(self, user: str) -> dict[str, str]:
         assert self.post("/admin/users", {"name": user}, self.admin).status_code == 201
@@ -73,11 +42,7 @@ class Box:
 def box(tmp_path: Path, models_dir: Path) -> Iterator[Box]:
     b = Box(tmp_path, models_dir)
     yield b
-    b.proc.send_signal(signal.SIGTERM)
-    try:
-        b.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        b.proc.kill()
+    b.stop()
 
 
 CHAT = {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -86,7 +51,7 @@ CHAT = {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens
 def test_a_full_gevent_worker_makes_room_for_another_users_first_request(box: Box) -> None:
     alice, bob = box.key_of("alice"), box.key_of("bob")
     assert box.post("/v1/chat/completions", CHAT, alice).status_code == 200  # loaded
-    assert box.post("/admin/faults", {"hold": {M: True}}, box.admin).status_code == 200
+    box.faults(hold={M: True})
     answers: list[tuple[str, Any]] = []
     lock = threading.Lock()
 
@@ -102,11 +67,11 @@ def test_a_full_gevent_worker_makes_room_for_another_users_first_request(box: Bo
 
     # Alice's three: one in the slot, a stream and a plain request queued behind it.
     threads = [send("alice", alice, False)]
-    wait_for(lambda: box.model()["in_flight"] == 1, "alice's first in the slot")
+    wait_for(lambda: box.model(M)["in_flight"] == 1, "alice's first in the slot")
     threads.append(send("alice", alice, True))
-    wait_for(lambda: box.model()["queued"] == 1, "alice's stream queued")
+    wait_for(lambda: box.model(M)["queued"] == 1, "alice's stream queued")
     threads.append(send("alice", alice, False))
-    wait_for(lambda: box.model()["queued"] == 2, "alice's second queued")
+    wait_for(lambda: box.model(M)["queued"] == 2, "alice's second queued")
     # Bob's first: the worker is full, bob within his share (1.5 of 3): alice's newest queued
     # request is pushed out, answered 429 by its own greenlet, and bob's is queued instead.
     threads.append(send("bob", bob, False))
@@ -115,8 +80,8 @@ def test_a_full_gevent_worker_makes_room_for_another_users_first_request(box: Bo
     assert who == "alice" and gone.status_code == 429
     assert gone.json()["error"]["code"] == "server_busy"
     assert int(gone.headers["Retry-After"]) >= 1
-    wait_for(lambda: box.model()["queued_by_user"] == {"alice": 1, "bob": 1}, "bob queued")
-    assert box.post("/admin/faults", {"hold": {M: False}}, box.admin).status_code == 200
+    wait_for(lambda: box.model(M)["queued_by_user"] == {"alice": 1, "bob": 1}, "bob queued")
+    box.faults(hold={M: False})
     for t in threads:
         t.join(120)
     assert sorted((w, r.status_code) for w, r in answers) == [
@@ -125,4 +90,4 @@ def test_a_full_gevent_worker_makes_room_for_another_users_first_request(box: Bo
         ("alice", 429),
         ("bob", 200),
     ]
-    wait_for(lambda: (m := box.model())["queued"] + m["in_flight"] == 0, "all done")
+    wait_for(lambda: (m := box.model(M))["queued"] + m["in_flight"] == 0, "all done")

@@ -53,9 +53,17 @@ class Model:
         r.hset(keys.model(M), "state", "ready")  # no demand events
 
     def submit(
-        self, user: str, *, weight: float = 1.0, bound: int = -1, fair: bool = True, rid: str = ""
+        self,
+        user: str,
+        *,
+        weight: float = 1.0,
+        bound: int = -1,
+        fair: bool = True,
+        rid: str = "",
+        raw: str = "",
+        push_out: tuple[str, dict[str, Any]] | None = None,
     ) -> tuple[str, tuple[int, int | str]]:
-        it = item(user, rid or None)
+        it = raw or item(user, rid or None)
         res = self.scripts.submit(
             M,
             it,
@@ -64,6 +72,7 @@ class Model:
             user=user,
             weight=weight,
             fair=fair,
+            push_out=push_out,
         )
         return it, res
 
@@ -216,16 +225,7 @@ def push(
         return it, res, None
     victim = str(res[1])
     err = errors.pushed_out(M, bound, 7).to_reply()
-    res = m.scripts.submit(
-        M,
-        it,
-        bound=bound,
-        demand_event={"type": "demand", "model": M},
-        user=user,
-        weight=weight,
-        fair=fair,
-        push_out=(victim, err),
-    )
+    _, res = m.submit(user, weight=weight, bound=bound, fair=fair, raw=it, push_out=(victim, err))
     return it, res, victim
 
 
@@ -315,6 +315,24 @@ def test_requests_in_flight_hold_no_queue_place(m: Model) -> None:
     assert push(m, "v", bound=2)[1] == (0, 2)
 
 
+def test_anonymous_callers_are_one_user_and_one_at_its_share_is_never_pushed_out(m: Model) -> None:
+    anon = [push(m, "", bound=4)[0] for _ in range(4)]
+    # Another anonymous caller is the same user: the queue is its whole share already.
+    assert push(m, "", bound=4)[1] == (0, 4)
+    assert push(m, "u", bound=4)[2] == id_of(anon[-1])
+    assert push(m, "u", bound=4)[2] == id_of(anon[-2])
+    # Both at their share (2 of 4): neither can push the other out.
+    assert push(m, "u", bound=4)[1] == (0, 4)
+    assert push(m, "", bound=4)[1] == (0, 4)
+    assert sorted(map(user_of, m.order())) == ["", "", "u", "u"]
+
+
+def test_a_queued_requests_json_starts_with_its_id() -> None:
+    """The scripts read a request's id from the start of its JSON (_fair.lua)."""
+    raw = item("u", "abc")
+    assert raw.startswith('{"id":"abc",')
+
+
 def test_owner_records_are_mended_from_the_queue(m: Model) -> None:
     """Requests queued with no owner record (before this was recorded) or a record whose
     request was dropped without a finish: the queue itself decides, and the records are
@@ -339,13 +357,8 @@ def test_a_named_request_that_left_meanwhile_is_not_answered(m: Model) -> None:
     it, res = m.submit("b", bound=2)
     assert res == (3, id_of(a[-1]))
     assert m.scripts.withdraw(M, id_of(a[-1]), a[-1], cancel=False)
-    res = m.scripts.submit(
-        M,
-        it,
-        bound=2,
-        demand_event={"type": "demand", "model": M},
-        user="b",
-        push_out=(id_of(a[-1]), errors.pushed_out(M, 2).to_reply()),
+    _, res = m.submit(
+        "b", bound=2, raw=it, push_out=(id_of(a[-1]), errors.pushed_out(M, 2).to_reply())
     )
     assert res == (1, 2)
     assert m.r.exists(keys.reply(id_of(a[-1]))) == 0
