@@ -161,8 +161,11 @@ class InFlight:
                 victim.leaving = False
                 self.leaving -= 1
                 unpushable.add(victim)
+                # A model process took it: it is served now, and no later request tries it.
+                victim.call = None
         with self._lock:
-            raise worker_full(len(self._places), busy_retry_after(cap, self.duration_s))
+            held = len(self._places)
+            raise worker_full(held, busy_retry_after(held, self.duration_s))
 
     def _add(self, user: str, weight: float) -> Place:
         self._seq += 1

@@ -349,10 +349,6 @@ def submit(
     if code == 0:
         depth = int(val)
         raise errors.queue_full(model, depth, _queue_retry_after(r, model, depth))
-    if push_out is not None:
-        log.info(
-            "request %s for %s pushed out %s (its user above its share)", req.id, model, push_out[0]
-        )
     return Call(r, req, item, timeout_s, scripts, client_gone, keepalive_s)
 
 

@@ -101,6 +101,7 @@ def test_a_full_worker_pushes_out_for_a_user_within_its_share() -> None:
     err = pushed[-1][1]
     assert err.status == 429 and err.code == "server_busy" and err.retry_after
     assert a[0].leaving and not a[1].leaving and f.count == 3
+    assert a[1].call is None  # served: no later request tries it again
     # The one pushed out gives its place back when its thread has answered; b is within its
     # share now (1 of 1), so a third user's request finds nothing to push out.
     with pytest.raises(ApiError):
