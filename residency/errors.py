@@ -104,6 +104,19 @@ def queue_full(name: str, depth: int, retry_after: int = 1) -> ApiError:
     )
 
 
+def pushed_out(name: str, depth: int, retry_after: int = 1) -> ApiError:
+    """A queued request made room in a full queue for a user within its share (its own user
+    was above its share): the 429 a full queue gives."""
+    return ApiError(
+        429,
+        f"too many requests waiting for '{name}' ({depth}); this request was one of its user's "
+        "beyond its fair share of the queue, and made room for another user's; retry later",
+        type="rate_limit_error",
+        code="queue_full",
+        retry_after=retry_after,
+    )
+
+
 def model_not_resident(name: str, state: str) -> ApiError:
     """A caller that may not cause loads asked for a model that is not loaded (nor loading)."""
     return ApiError(

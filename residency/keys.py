@@ -150,8 +150,11 @@ def queue_tags(name: str) -> str:
 
 
 def queue_finish(name: str) -> str:
-    """hash ``user -> finish tag`` of the last request each user queued for one model (fair
-    queueing), no TTL; written by the submit script, deleted with ``queue_tags``."""
+    """hash of one model's users' turns and places, no TTL: ``f<user> -> finish tag`` of the
+    last request each user queued (fair queueing) and ``o<request id> -> "<weight> <user>"``,
+    the owner of each queued or in-flight request (the queue bound's shares between users, in
+    every mode). Written by the submit script; an owner goes with its request's tag; deleted
+    with ``queue_tags``."""
     return f"{PREFIX}queue-finish:{name}"
 
 

@@ -22,13 +22,16 @@ from residency.settings import MODEL_TYPES
 from residency.states import OCCUPYING, ModelState, sources_for
 
 _WITH_PRELUDE = {"transition", "start_load", "commit_load", "begin_drain", "try_unload"}
-_WITH_FAIR = {"submit", "finish", "withdraw", "reject_oldest", "hand_back"}
+_WITH_FAIR = {"submit", "finish", "withdraw", "reject_oldest", "hand_back", "push_out"}
+_WITH_SHARES = {"submit"}
 
 
 @cache
 def _source(name: str) -> str:
     base = files("residency").joinpath("lua")
     body = base.joinpath(f"{name}.lua").read_text()
+    if name in _WITH_SHARES:
+        body = base.joinpath("_shares.lua").read_text() + "\n" + body
     if name in _WITH_FAIR:
         body = base.joinpath("_fair.lua").read_text() + "\n" + body
     if name in _WITH_PRELUDE:
@@ -171,6 +174,7 @@ class Scripts:
                 "acquire",
                 "fenced",
                 "withdraw",
+                "push_out",
                 "record_failure",
                 "forget_host",
                 "forget_model",
@@ -307,14 +311,22 @@ class Scripts:
         user: str = "",
         weight: float = 1.0,
         fair: bool = True,
+        request_id: str = "",
+        push_out: tuple[str, dict[str, Any]] | None = None,
     ) -> tuple[int, int | str]:
         """(1, depth) when queued; (0, depth) when the queue is full; (2, state) when the
-        model is not resident and ``may_load`` is false (nothing was queued). With ``fair``,
-        queued in its place among the model's users (start-time fair queueing, ``user``'s
-        share ``weight``, see ``_fair.lua``); without, at the end of the line."""
+        model is not resident and ``may_load`` is false (nothing was queued); (3, id) when the
+        queue is full but ``user`` is within its share of it (see ``_shares.lua``) and queued
+        request ``id`` is the one to make room: call again with ``push_out`` = (that id, its
+        error reply) to push it out and queue this one in one step (or get 3 with the one to
+        go now). With ``fair``, queued in its place among the model's users (start-time fair
+        queueing, ``user``'s share ``weight``, see ``_fair.lua``); without, at the end of the
+        line. ``request_id``: ``item``'s id (read from it when not given)."""
         if not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
-        code, val = self._run(
+        rid = request_id or str(json.loads(item)["id"])
+        victim, error = push_out if push_out is not None else ("", {})
+        res = self._run(
             "submit",
             [
                 keys.queue(model),
@@ -323,6 +335,7 @@ class Scripts:
                 keys.queue_tags(model),
                 keys.queue_finish(model),
                 keys.processing(model),
+                *([keys.reply(victim)] if victim else []),
             ],
             [
                 item,
@@ -332,9 +345,19 @@ class Scripts:
                 "1" if fair else "0",
                 user,
                 repr(1.0 / weight),
+                repr(float(weight)),
+                rid,
+                victim,
+                json.dumps(error),
+                keys.REPLY_TTL_S,
             ],
         )
-        return int(code), (_s(val) if int(code) == 2 else int(val))
+        code = int(res[0])
+        if code == 2:
+            return code, _s(res[1])
+        if code == 3:
+            return code, _s(res[2])
+        return code, int(res[1])
 
     def flush(self, request_id: str, chunks: list[dict[str, Any]], *, renew: bool) -> bool:
         """Write one chunk message of a stream (``chunks``), renewing the stream's TTL when
@@ -576,6 +599,22 @@ class Scripts:
                 keys.processing(model),
             ],
             [item, "1" if cancel else "0", keys.REPLY_TTL_S],
+        )
+        return bool(res)
+
+    def push_out(self, model: str, request_id: str, item: str, error: dict[str, Any]) -> bool:
+        """Take ``item`` out of ``model``'s queue with ``error`` as its reply, if no model
+        process took it yet (True); False when it is no longer queued."""
+        res = self._run(
+            "push_out",
+            [
+                keys.queue(model),
+                keys.reply(request_id),
+                keys.queue_tags(model),
+                keys.queue_finish(model),
+                keys.processing(model),
+            ],
+            [item, json.dumps(error), keys.REPLY_TTL_S],
         )
         return bool(res)
 

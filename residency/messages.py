@@ -57,6 +57,8 @@ class Request:
     cache_scope: str = "user"
 
     def dumps(self) -> str:
+        # ``id`` is the first field, written first: the Lua scripts read a queued request's id
+        # from the start of its JSON (``request_id`` in _fair.lua) rather than decode it whole.
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod

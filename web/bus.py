@@ -8,6 +8,9 @@ cancel flag tells the model process that took it to stop. While no reply has com
 also watches the client's connection (``client_gone``), so a client that goes away while its
 request is queued has it withdrawn before any model process generates it, and the request's
 deadline (``server.request_deadline_s``), so one still queued then is answered 504 at once.
+A queued request may also be pushed out to make room for another user's (a full queue, or a
+full web worker, see ``web/admission.py``): it leaves the queue together with a 429 on its reply
+stream, which its reader answers its client with like any other reply.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from web import admission
 log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000
+#: Calls of the submit script for one request whose user is within its share of a full queue:
+#: each names the request to push out, and the next pushes it out unless the queue changed.
+PUSH_OUT_TRIES = 3
 READ_COUNT = 100
 #: Sent in a ``Batch`` when a stream has been quiet for its keep-alive interval (the same
 #: object every time: compare with ``is``).
@@ -247,6 +253,18 @@ class Call:
         except redis.RedisError:
             log.warning("could not delete reply stream of %s (it expires)", self.req.id)
 
+    def push_out(self, error: ApiError) -> bool:
+        """Make room for another user's request: take this one out of its queue with
+        ``error`` as its reply, which the thread reading it answers its client with at once.
+        False when a model process took it already (or Redis did not answer): it stays."""
+        if self.closed:
+            return False
+        try:
+            return self.scripts.push_out(self.model, self.req.id, self.item, error.to_reply())
+        except redis.RedisError:
+            log.warning("could not push out request %s for %s", self.req.id, self.model)
+            return False
+
     def abandon(self) -> None:
         """Nobody will read the reply: drop the request from the queue if it is still there,
         else stop its generation (the cancel flag)."""
@@ -279,14 +297,17 @@ def submit(
     fair: bool = True,
     cache_scope: str = "user",
 ) -> Call:
-    """Queue a request (bounded: 429 with Retry-After when full) and return its Call.
+    """Queue a request and return its Call. The queue is bounded (``bound``) and the bound
+    shared between users: a full queue refuses 429 with Retry-After, unless ``user`` is within
+    its share of it, when the newest queued request of the user furthest above its share is
+    answered that 429 instead and this one takes its place (``submit.lua``, ``_shares.lua``).
     ``deadline_s``: it must be finished that long after submit (0: no deadline). ``user``:
-    who asked (usage and fair turns); ``key``: the id of its API key (daily quotas); without
-    ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is queued
-    (the request would load it). ``weight``: the
-    user's share of the model's turns; ``fair``: take turns between users (``pool.fair_queues``)
-    rather than first come, first served. ``cache_scope``: ``[cache] scope`` now (whose
-    cached prompt prefixes the model process may reuse for it)."""
+    who asked (usage, fair turns and shares); ``key``: the id of its API key (daily quotas);
+    without ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is
+    queued (the request would load it). ``weight``: the user's share of the model's turns and
+    of its queue; ``fair``: take turns between users (``pool.fair_queues``) rather than first
+    come, first served. ``cache_scope``: ``[cache] scope`` now (whose cached prompt prefixes the
+    model process may reuse for it)."""
     now = time.time()
     req = Request(
         id=new_request_id(),
@@ -301,17 +322,29 @@ def submit(
         cache_scope=cache_scope,
     )
     item = req.dumps()
+    push_out: tuple[str, dict[str, Any]] | None = None
     try:
-        code, val = scripts.submit(
-            model,
-            item,
-            bound=bound,
-            demand_event=Event(EventType.DEMAND, model).to_dict(),
-            may_load=may_load,
-            user=user,
-            weight=weight,
-            fair=fair,
-        )
+        for _ in range(PUSH_OUT_TRIES):
+            code, val = scripts.submit(
+                model,
+                item,
+                bound=bound,
+                demand_event=Event(EventType.DEMAND, model).to_dict(),
+                may_load=may_load,
+                user=user,
+                weight=weight,
+                fair=fair,
+                request_id=req.id,
+                push_out=push_out,
+            )
+            if code != 3:
+                break
+            # Full, but this user is within its share: the request named makes room (the
+            # script pushes it out only if it is still the one to go when called again).
+            retry = _queue_retry_after(r, model, bound)
+            push_out = (str(val), errors.pushed_out(model, bound, retry).to_reply())
+        else:
+            code, val = 0, bound  # the queue kept changing under us: full, as for anyone
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise storage_unavailable(e) from e
     if code == 2:

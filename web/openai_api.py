@@ -192,7 +192,7 @@ def _release_quota() -> None:
 def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Call:
     srv, pool = t.view.settings.server, t.view.settings.pool
     caller = quota.principal()
-    return bus.submit(
+    call = bus.submit(
         st.r,
         st.scripts,
         kind=kind,
@@ -211,6 +211,17 @@ def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Ca
         weight=caller.weight,
         cache_scope=t.view.settings.cache.scope,
     )
+    place = g.get("in_flight_place")
+    if isinstance(place, admission.Place):
+        place.call = call  # from now on it can make room for another user's (see _admitted)
+    return call
+
+
+def _push_out(place: admission.Place, error: ApiError) -> bool:
+    """Push the queued request of another request's place out of its model's queue with
+    ``error`` (False once a model process took it: it is served, not pushed out)."""
+    call = place.call
+    return isinstance(call, bus.Call) and call.push_out(error)
 
 
 def _named(obj: dict[str, Any], model: str) -> dict[str, Any]:
@@ -310,11 +321,14 @@ class _Held:
     ``finally`` would not run then)."""
 
     def __init__(
-        self, body: Iterable[Any], started: float, release: Callable[[], None] | None = None
+        self,
+        body: Iterable[Any],
+        place: admission.Place,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self._it = iter(body)
         self._body = body
-        self._started = started
+        self._place = place
         self._released = False
         self._release = release  # the request's place in its caller's quota, if it took one
 
@@ -331,7 +345,7 @@ class _Held:
     def close(self) -> None:
         if not self._released:
             self._released = True
-            admission.IN_FLIGHT.release(self._started)
+            admission.IN_FLIGHT.release(self._place)
             if self._release is not None:
                 self._release()
         close = getattr(self._body, "close", None)
@@ -341,23 +355,26 @@ class _Held:
 
 def _admitted(view: Callable[[], Any]) -> Any:
     """Run an API request counted in this worker's in-flight requests (429 past
-    ``server.max_in_flight``): a whole answer until the view returns it, a stream until its
+    ``server.max_in_flight``, unless its user is within its share of them and another user's
+    queued request makes room): a whole answer until the view returns it, a stream until its
     body ends or is closed."""
     cap = state().cached().settings.server.max_in_flight
-    started = admission.IN_FLIGHT.admit(cap)
+    caller = auth.principal()
+    place = admission.IN_FLIGHT.admit(cap, caller.user, caller.weight, push=_push_out)
+    g.in_flight_place = place
     try:
         resp = make_response(view())
     except BaseException:
-        admission.IN_FLIGHT.release(started)
+        admission.IN_FLIGHT.release(place)
         _release_quota()
         raise
     if resp.is_streamed:
         ticket = g.pop("quota_ticket", None)
         r = state().r
         release = None if ticket is None else (lambda: ticket.release(r))
-        resp.response = _Held(resp.response, started, release)
+        resp.response = _Held(resp.response, place, release)
     else:
-        admission.IN_FLIGHT.release(started)
+        admission.IN_FLIGHT.release(place)
         _release_quota()
     return resp
 

@@ -48,15 +48,24 @@ def wait_for(pred: Callable[[], bool], what: str) -> None:
 
 
 class Box:
-    def __init__(self, tmp: Path, models_dir: Path) -> None:
+    """`residency up` on a free port; ``server`` and ``pool``: settings of those sections
+    (default: this file's, a thousand clients' worth of queue and two models)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        models_dir: Path,
+        server: dict[str, Any] | None = None,
+        pool: dict[str, Any] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data = tmp / "data"
         cfg = write_config(
             tmp / "box.toml",
             {
-                "server": {"port": self.port, "sse_keepalive_s": 0.5},
-                "pool": {"max_queue_per_model": CLIENTS + 10, "max_loaded_models": 2},
+                "server": {"port": self.port, **(server or {"sse_keepalive_s": 0.5})},
+                "pool": pool or {"max_queue_per_model": CLIENTS + 10, "max_loaded_models": 2},
                 "debug": {"fault_injection": True},
                 "models": tiny_models(models_dir),
             },
@@ -85,16 +94,19 @@ class Box:
         r = requests.post(self.url + "/admin/faults", json=body, headers=self.admin, timeout=30)
         assert r.status_code == 200, r.text
 
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
 
 @pytest.fixture
 def box(tmp_path: Path, models_dir: Path) -> Iterator[Box]:
     b = Box(tmp_path, models_dir)
     yield b
-    b.proc.send_signal(signal.SIGTERM)
-    try:
-        b.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        b.proc.kill()
+    b.stop()
 
 
 def open_streams(port: int, n: int) -> list[socket.socket]:

@@ -6,6 +6,7 @@ Assertions are on queue orders, tags and counts, never on durations."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import redis
 
 from coordinator import snapshot
-from residency import keys, work
+from residency import errors, keys, work
 from residency.errors import ApiError
 from residency.lua import Scripts
 from residency.messages import Kind, Request, new_request_id
@@ -52,9 +53,17 @@ class Model:
         r.hset(keys.model(M), "state", "ready")  # no demand events
 
     def submit(
-        self, user: str, *, weight: float = 1.0, bound: int = -1, fair: bool = True, rid: str = ""
+        self,
+        user: str,
+        *,
+        weight: float = 1.0,
+        bound: int = -1,
+        fair: bool = True,
+        rid: str = "",
+        raw: str = "",
+        push_out: tuple[str, dict[str, Any]] | None = None,
     ) -> tuple[str, tuple[int, int | str]]:
-        it = item(user, rid or None)
+        it = raw or item(user, rid or None)
         res = self.scripts.submit(
             M,
             it,
@@ -63,6 +72,7 @@ class Model:
             user=user,
             weight=weight,
             fair=fair,
+            push_out=push_out,
         )
         return it, res
 
@@ -199,28 +209,168 @@ def test_a_stale_tag_is_dropped_once_the_model_is_empty(m: Model) -> None:
     x, _ = m.submit("u")
     m.r.lrem(keys.queue(M), 1, x)
     assert m.tags() == {x: 0.0}
-    m.r.hset(keys.queue_finish(M), "u", 100)
+    m.r.hset(keys.queue_finish(M), "fu", 100)
     y, _ = m.submit("u")
     assert m.tags() == {y: 0.0}
 
 
-def test_the_depth_bound_is_unchanged(m: Model) -> None:
-    for fair in (True, False):
-        for n in range(3):
-            assert m.submit("u", bound=3, fair=fair)[1] == (1, n + 1)
-        it, res = m.submit("v", bound=3, fair=fair)
-        assert res == (0, 3)
-        assert it not in m.tags() and it not in m.order()
-        assert len(m.tags()) == (3 if fair else 0)
-        m.serve_all()
-        assert m.tag_keys() == 0
+def push(
+    m: Model, user: str, *, bound: int, weight: float = 1.0, fair: bool = True
+) -> tuple[str, tuple[int, int | str], str | None]:
+    """Submit as web does (``bus.submit``): when the script names a request to push out, call
+    it again with that request's error. Returns the item, the last answer, and the id pushed
+    out (None when none was)."""
+    it, res = m.submit(user, weight=weight, bound=bound, fair=fair)
+    if res[0] != 3:
+        return it, res, None
+    victim = str(res[1])
+    err = errors.pushed_out(M, bound, 7).to_reply()
+    _, res = m.submit(user, weight=weight, bound=bound, fair=fair, raw=it, push_out=(victim, err))
+    return it, res, victim
+
+
+def id_of(raw: str) -> str:
+    return Request.loads(raw).id
+
+
+def pushed_reply(r: redis.Redis, request_id: str) -> dict[str, Any]:
+    [(_id, fields)] = r.xrange(keys.reply(request_id))
+    assert fields["t"] == "error"
+    return dict(json.loads(fields["d"]))
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_full_queue_makes_room_for_a_user_within_its_share(m: Model, fair: bool) -> None:
+    """Shares apply with fair queues off too: the bound is what the users share."""
+    mine = [push(m, "u", bound=3, fair=fair)[0] for _ in range(3)]
+    assert m.order() == mine
+    # u alone holds the whole bound, its share: one more is refused.
+    it, res, gone = push(m, "u", bound=3, fair=fair)
+    assert res == (0, 3) and gone is None and it not in m.order()
+    # v's first request: within its share (3 / 2): u's newest request makes room.
+    theirs, res, gone = push(m, "v", bound=3, fair=fair)
+    assert res == (1, 3)
+    assert gone == id_of(mine[-1])
+    assert sorted(m.order()) == sorted([*mine[:2], theirs])
+    reply = pushed_reply(m.r, gone)
+    assert reply["status"] == 429 and reply["error"]["code"] == "queue_full"
+    assert reply["retry_after"] == 7
+    assert mine[-1] not in m.tags()
+    assert len(m.tags()) == (3 if fair else 0)
+    owners = {k for k in m.r.hkeys(keys.queue_finish(M)) if str(k).startswith("o")}
+    assert owners == {"o" + id_of(x) for x in (*mine[:2], theirs)}
+    # v now holds 1 of its 1.5 places: a second would put it above its share.
+    assert push(m, "v", bound=3, fair=fair)[1] == (0, 3)
+    m.serve_all()
+    assert m.tag_keys() == 0
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_the_newest_request_of_the_user_furthest_above_its_share_goes(m: Model, fair: bool) -> None:
+    a = [push(m, "a", bound=6, fair=fair)[0] for _ in range(4)]
+    b = [push(m, "b", bound=6, fair=fair)[0] for _ in range(2)]
+    # Shares of 6 among a, b, c: 2 each. a is 2 above, b at its share.
+    _c1, res, gone = push(m, "c", bound=6, fair=fair)
+    assert res == (1, 6) and gone == id_of(a[-1])
+    # Now a 3 (1 above), b 2, c 1 (1 below): c's second takes a's newest again.
+    c2, _, gone = push(m, "c", bound=6, fair=fair)
+    assert gone == id_of(a[-2])
+    # All at their share: c's third is refused.
+    assert push(m, "c", bound=6, fair=fair)[1] == (0, 6)
+    # d's share of 6 among four is 1.5, and a, b and c (2 each) are 0.5 above: equally far,
+    # so the newest of their requests goes, c's second; then b's newest (newer than a's).
+    assert push(m, "d", bound=6, fair=fair)[2] == id_of(c2)
+    assert push(m, "e", bound=6, fair=fair)[2] == id_of(b[-1])
+    assert sorted(map(user_of, m.order())) == ["a", "a", "b", "c", "d", "e"]
+    m.serve_all()
+    assert m.tag_keys() == 0
+
+
+def test_weights_set_the_shares(m: Model) -> None:
+    """a (weight 1) holds 3 of 8 places, b (weight 3) 5. A newcomer c of weight 1: shares are
+    8 x 1/5 = 1.6, 4.8 and 1.6, so a is furthest above (1.4 to b's 0.2) though b holds more."""
+    a = [push(m, "a", bound=8, weight=1.0)[0] for _ in range(3)]
+    for _ in range(5):
+        push(m, "b", bound=8, weight=3.0)
+    assert push(m, "c", bound=8, weight=1.0)[2] == id_of(a[-1])
+    # By counts alone b would have gone: with equal weights it is 5 - 8/3 above.
+    m.serve_all()
+    for _ in range(3):
+        push(m, "a", bound=8)
+    b = [push(m, "b", bound=8)[0] for _ in range(5)]
+    assert push(m, "c", bound=8)[2] == id_of(b[-1])
+
+
+def test_requests_in_flight_hold_no_queue_place(m: Model) -> None:
+    """u has two in flight and fills the bound of 2 queued: v is within its share (1 of 2)."""
+    for _ in range(2):
+        push(m, "u", bound=2)
+    m.take()
+    m.take()
+    for _ in range(2):
+        push(m, "u", bound=2)
+    assert m.r.llen(keys.queue(M)) == 2
+    assert push(m, "u", bound=2)[1] == (0, 2)
+    assert push(m, "v", bound=2)[1] == (1, 2)
+    assert push(m, "v", bound=2)[1] == (0, 2)
+
+
+def test_anonymous_callers_are_one_user_and_one_at_its_share_is_never_pushed_out(m: Model) -> None:
+    anon = [push(m, "", bound=4)[0] for _ in range(4)]
+    # Another anonymous caller is the same user: the queue is its whole share already.
+    assert push(m, "", bound=4)[1] == (0, 4)
+    assert push(m, "u", bound=4)[2] == id_of(anon[-1])
+    assert push(m, "u", bound=4)[2] == id_of(anon[-2])
+    # Both at their share (2 of 4): neither can push the other out.
+    assert push(m, "u", bound=4)[1] == (0, 4)
+    assert push(m, "", bound=4)[1] == (0, 4)
+    assert sorted(map(user_of, m.order())) == ["", "", "u", "u"]
+
+
+def test_a_queued_requests_json_starts_with_its_id() -> None:
+    """The scripts read a request's id from the start of its JSON (_fair.lua)."""
+    raw = item("u", "abc")
+    assert raw.startswith('{"id":"abc",')
+
+
+def test_owner_records_are_mended_from_the_queue(m: Model) -> None:
+    """Requests queued with no owner record (before this was recorded) or a record whose
+    request was dropped without a finish: the queue itself decides, and the records are
+    mended."""
+    a = [push(m, "a", bound=4)[0] for _ in range(3)]
+    push(m, "b", bound=4)
+    m.r.hdel(keys.queue_finish(M), "o" + id_of(a[0]), "o" + id_of(a[1]))
+    stale = "o" + "f" * 32
+    m.r.hset(keys.queue_finish(M), stale, "1 b")
+    # a holds 3 of 4, b 1; c's share is 4/3: a's newest goes.
+    assert push(m, "c", bound=4)[2] == id_of(a[2])
+    owners = {str(k) for k in m.r.hkeys(keys.queue_finish(M)) if str(k).startswith("o")}
+    assert stale not in owners and "o" + id_of(a[0]) in owners
+    m.serve_all()
+    assert m.tag_keys() == 0
+
+
+def test_a_named_request_that_left_meanwhile_is_not_answered(m: Model) -> None:
+    """The script named a request to push out, which was withdrawn before the second call:
+    the queue has room now, and the withdrawn request's reply stream is left alone."""
+    a = [push(m, "a", bound=2)[0] for _ in range(2)]
+    it, res = m.submit("b", bound=2)
+    assert res == (3, id_of(a[-1]))
+    assert m.scripts.withdraw(M, id_of(a[-1]), a[-1], cancel=False)
+    _, res = m.submit(
+        "b", bound=2, raw=it, push_out=(id_of(a[-1]), errors.pushed_out(M, 2).to_reply())
+    )
+    assert res == (1, 2)
+    assert m.r.exists(keys.reply(id_of(a[-1]))) == 0
+    assert sorted(m.order()) == sorted([a[0], it])
 
 
 def test_first_come_first_served_when_fair_queues_are_off(m: Model) -> None:
     heavy = [m.submit("heavy", fair=False)[0] for _ in range(5)]
     light, _ = m.submit("light", fair=False)
     assert m.order() == [*heavy, light]
-    assert m.tag_keys() == 0
+    assert m.tags() == {}
+    assert not [k for k in m.r.hkeys(keys.queue_finish(M)) if not str(k).startswith("o")]
 
 
 def test_a_handed_back_request_keeps_its_tag_and_a_refused_one_loses_it(m: Model) -> None:
