@@ -516,3 +516,42 @@ def test_usage_command_prints_the_report_as_a_table(
         ]
         assert cli.main(["usage", "--url", url, "--from", "someday", *args]) == 1
         assert "'from' must be a date" in capsys.readouterr().err
+
+
+# --- routing helpers run for admitted requests only, as their caller's --------------------------
+
+
+def test_a_router_generates_only_for_an_admitted_caller_and_is_charged_to_it(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """A policy with an LLM router: the router's generation is part of the request, so a caller
+    refused 429 makes it generate nothing (however many retries at once), and what it
+    generates counts under the caller's user and key."""
+    pool = start_pool()
+    c = app_for(pool).test_client()
+    router = {"type": "llm", "model": "c", "prompt": "Pick a model.", "max_tokens": 8}
+    spec = {"candidates": ["a", "b"], "default": "a", "router": router}
+    assert c.put("/admin/policies/judge", json=spec, headers=ADMIN).status_code == 201
+    ann = caller(c, "ann", requests_per_minute=2)
+    for _ in range(2):
+        resp = ask(c, ann, "judge")
+        assert resp.status_code == 200, resp.get_json()
+        assert resp.headers["x-residency-route"] == "judge:default:a"
+
+    def helper_requests() -> int:
+        day = pool.r.hgetall(keys.usage(today()))
+        return sum(int(v) for f, v in day.items() if f.endswith("|c|requests"))
+
+    assert helper_requests() == 2 and usage_of_float(pool.r, "ann", "c", "requests") == 2
+    for resp in at_once(6, lambda i: ask(app_for(pool).test_client(), ann, "judge")):
+        refused(resp, "2 requests per minute")
+    assert helper_requests() == 2  # no router generation for a refused caller
+    # The router's tokens are the caller's: its user's and its key's.
+    spent = sum(
+        usage_of_float(pool.r, "ann", m, k)
+        for m in ("a", "c")
+        for k in ("prompt_tokens", "completion_tokens")
+    )
+    assert usage_of_float(pool.r, "ann", "c", "prompt_tokens") > 0
+    day = keys.quota_day(today())
+    assert int(pool.r.hget(day, keys.quota_field("tokens", "key", ann.key_id)) or 0) == spent
