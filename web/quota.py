@@ -17,8 +17,10 @@ once across the web processes:
   quota. The reservation is given back when the request ends (``release.lua``), after its
   real usage was charged (``finish.lua`` writes the last reply in the step that charges it;
   a remote's usage is charged by web, ``charge``); a web process that dies holding one leaks
-  it only until the UTC day ends (it lives in that day's hash). A request still running at
-  00:00 UTC is charged to the new day, unreserved there;
+  it only until the UTC day ends (it lives in that day's hash). A request web abandons while
+  it generates (its client gone, its timeout) gives its reservation back at once and is
+  charged what it used when its model process stops it, at its next token. A request still
+  running at 00:00 UTC is charged to the new day, unreserved there;
 - ``load_seconds_per_day`` refuses a request that would load a model once the day's load time
   charged to the user (``commit_load.lua``: the user whose request caused the load) reached it.
 

@@ -304,10 +304,9 @@ def test_caps(client: FlaskClient, extra: dict[str, Any], param: str, code: str 
 def test_caps_allow_their_limit(start_pool: Callable[..., Pool], models_dir: Path) -> None:
     """At each cap a request is served: it passes validation and a real model process
     generates its answer (counted in the model's usage), not merely "not 400"."""
+    from residency.tinymodel import write_tiny_model
     from tests.integration.test_pool import client_for
     from tests.integration.test_usage import usage_of
-
-    from residency.tinymodel import write_tiny_model
     from tests.integration.tools_template import TOOLS_TEMPLATE
 
     # A template that takes tools, and room for the prompt of 128 of them.
