@@ -298,31 +298,22 @@ def test_a_rebinding_name_is_connected_at_the_checked_address(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The name is resolved once: the connection goes to the address that was checked, never
-    to a second answer. Its first answer here is a public address where nothing listens (TEST-NET
-    -3), its second the local upstream: the request fails, and the upstream is never reached."""
+    to a second answer, and the upstream still sees the name (Host header; TLS verifies the
+    same name)."""
     from web import remote as forwarder
 
+    # First answer a public address where nothing listens (TEST-NET-3), then the local
+    # upstream: the request fails, the upstream is never reached. "localhost": what a second
+    # lookup by anything but the checked resolver answers too.
     rebind = Rebinding("203.0.113.9")
     monkeypatch.setattr(forwarder, "RESOLVE", rebind)
     monkeypatch.setattr(forwarder, "CONNECT_TIMEOUT_S", 0.5)
-    # "localhost": what a second lookup by anything but the checked resolver answers too.
     register(r, "rebind", remote.url("ok", host="localhost"))
     err = error_of(ask(make_client(tmp_path, redis_url, allow_local=False), "rebind"), 502)
     assert "unreachable" in err["message"], err
     assert remote.hits == [] and rebind.calls == 1
 
-
-def test_the_checked_address_keeps_the_name_in_the_host_header(
-    tmp_path: Path,
-    redis_url: str,
-    r: redis.Redis,
-    remote: Remote,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A name only the checked resolver knows: the request reaches the address it answered,
-    and the upstream sees the name (Host header; TLS would verify the same name)."""
-    from web import remote as forwarder
-
+    # A name only the checked resolver knows: the request reaches the address it answered.
     rebind = Rebinding("127.0.0.1")
     monkeypatch.setattr(forwarder, "RESOLVE", rebind)
     port = remote.server.server_port
