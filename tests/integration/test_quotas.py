@@ -234,6 +234,30 @@ def test_daily_quotas_read_the_days_totals(r: redis.Redis) -> None:
     assert quota.admit(r, s, p, "a", hold_s=60, may_load=False) is not None
 
 
+def test_a_reservation_holds_until_released_once_and_lapses_with_its_day(r: redis.Redis) -> None:
+    s = Scripts(r)
+    day = keys.quota_day(today())
+    p = user("ann", key="k1", key_quotas=Quotas(tokens_per_day=500), tokens_per_day=100)
+    first = quota.admit(r, s, p, "a", hold_s=60, reserve=60)
+    assert first is not None
+    for subject, name in (("user", "ann"), ("key", "k1")):
+        assert int(r.hget(day, keys.quota_field("reserved", subject, name))) == 60
+    second = quota.admit(r, s, p, "a", hold_s=60, reserve=60)  # 60 < 100: admitted
+    assert second is not None
+    # 120 reserved, nothing charged: refused until one of them ends, not until the day does.
+    with pytest.raises(ApiError) as e:
+        quota.admit(r, s, p, "a", hold_s=60, reserve=60)
+    assert "quota of 100 tokens per day with its requests in flight" in e.value.message
+    assert "(0 used today, 120 reserved by them)" in e.value.message
+    assert e.value.retry_after is not None and e.value.retry_after <= quota.MAX_RETRY_S
+    first.release(s)
+    first.release(s)  # given back once
+    assert int(r.hget(day, keys.quota_field("reserved", "user", "ann"))) == 60
+    assert quota.admit(r, s, p, "a", hold_s=60, reserve=1) is not None
+    # What a web process that died still holds lapses with the day's hash.
+    assert 0 < r.ttl(day) <= keys.QUOTA_DAY_TTL_S
+
+
 # --- through the web tier: real keys over HTTP, with real model processes ---------------------
 
 
