@@ -203,16 +203,27 @@ def usage_totals() -> str:
 def quota_day(day: str) -> str:
     """hash: one UTC day's (``YYYY-MM-DD``) totals that daily quotas are checked against, field
     ``quota_field(counter, subject, name)``: ``tokens`` (prompt + completion, counted by
-    ``finish.lua`` with the usage hash) and ``load_seconds`` (charged by ``commit_load.lua`` to
-    the user and key whose request caused the load), for subject ``user`` and ``key``. Read by
-    ``admit.lua``; TTL ``QUOTA_DAY_TTL_S``."""
+    ``finish.lua`` with the usage hash, ``charge.lua`` for a remote model), ``load_seconds``
+    (charged by ``commit_load.lua`` to the user and key whose request caused the load) and
+    ``reserved`` (the tokens reserved by that subject's requests in flight: added by
+    ``admit.lua``, given back by ``release.lua``), for subject ``user`` and ``key``; and one
+    field ``quota_hold_field(id)`` per admitted request holding a reservation. Read by
+    ``admit.lua``; TTL ``QUOTA_DAY_TTL_S`` (a reservation whose web process died lapses with
+    its day)."""
     return f"{PREFIX}quota-day:{day}"
 
 
 def quota_field(counter: str, subject: str, name: str) -> str:
-    """A field of ``quota_day``: ``counter`` (``tokens``, ``load_seconds``) of one ``subject``
-    (``user``, ``key``) ``name``; the name goes last, so any name is read back whole."""
+    """A field of ``quota_day``: ``counter`` (``tokens``, ``load_seconds``, ``reserved``) of one
+    ``subject`` (``user``, ``key``) ``name``; the name goes last, so any name is read back
+    whole."""
     return f"{counter}|{subject}|{name}"
+
+
+def quota_hold_field(admission_id: str) -> str:
+    """A field of ``quota_day``: the tokens one admitted request reserved (two parts, never
+    taken for a ``quota_field``)."""
+    return f"hold|{admission_id}"
 
 
 def quota_rate(subject: str, name: str) -> str:

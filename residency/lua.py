@@ -1,9 +1,9 @@
 """The Lua scripts that make each multi-key change atomic, with typed Python entry points.
 
 Scripts live in ``residency/lua/*.lua``; state-changing ones get ``_prelude.lua`` (the
-compare-and-set helper) prepended, and those that add or remove requests ``_fair.lua`` (fair
-queueing between users). Keys always come from ``residency.keys``; allowed source
-states always come from ``residency.states``.
+compare-and-set helper) prepended, those that add or remove requests ``_fair.lua`` (fair
+queueing between users), and those that count a request's usage ``_usage.lua``. Keys always
+come from ``residency.keys``; allowed source states always come from ``residency.states``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from residency.states import OCCUPYING, ModelState, sources_for
 _WITH_PRELUDE = {"transition", "start_load", "commit_load", "begin_drain", "try_unload"}
 _WITH_FAIR = {"submit", "finish", "withdraw", "reject_oldest", "hand_back", "push_out"}
 _WITH_SHARES = {"submit"}
+_WITH_USAGE = {"finish", "charge"}
 
 
 @cache
@@ -34,6 +35,8 @@ def _source(name: str) -> str:
         body = base.joinpath("_shares.lua").read_text() + "\n" + body
     if name in _WITH_FAIR:
         body = base.joinpath("_fair.lua").read_text() + "\n" + body
+    if name in _WITH_USAGE:
+        body = base.joinpath("_usage.lua").read_text() + "\n" + body
     if name in _WITH_PRELUDE:
         body = base.joinpath("_prelude.lua").read_text() + "\n" + body
     return body
@@ -179,6 +182,8 @@ class Scripts:
                 "forget_host",
                 "forget_model",
                 "admit",
+                "release",
+                "charge",
                 "principal",
             )
         }
@@ -443,16 +448,26 @@ class Scripts:
         hold_s: float,
         may_load: bool,
         subjects: list[tuple[str, str, Quotas]],
+        reserve: int = 0,
     ) -> list[str]:
         """Admit one request for ``model`` against the quotas of ``subjects`` ((``user`` or
-        ``key``, name, quotas) each): [] when admitted (its places taken), else the refusal
-        whose wait is the longest: [subject index (0-based), quota, limit, used, retry seconds
-        ('' for a daily quota), the model's state]. ``day``: today (UTC), whose totals the
-        daily quotas are checked against; ``hold_s``: how long an in-flight place is held at
-        most; ``may_load``: the model is local (its load-seconds quota applies while it is
-        neither ready nor loading)."""
+        ``key``, name, quotas) each): [] when admitted (its places taken, and ``reserve``
+        tokens reserved on the day's totals of each subject with a tokens-per-day quota), else
+        the refusal whose wait is the longest: [subject index (0-based), quota, limit, used,
+        retry seconds ('' for a daily quota), the model's state, tokens reserved by requests in
+        flight]. ``day``: today (UTC), whose totals the daily quotas are checked against;
+        ``hold_s``: how long an in-flight place is held at most; ``may_load``: the model is
+        local (its load-seconds quota applies while it is neither ready nor loading)."""
         keys_ = [keys.quota_day(day), keys.model(model), keys.service(model)]
-        args: list[Any] = [admission_id, hold_s, keys.QUOTA_WINDOW_S, "1" if may_load else "0"]
+        args: list[Any] = [
+            admission_id,
+            hold_s,
+            keys.QUOTA_WINDOW_S,
+            "1" if may_load else "0",
+            max(0, int(reserve)),
+            keys.quota_hold_field(admission_id),
+            keys.QUOTA_DAY_TTL_S,
+        ]
         for subject, name, q in subjects:
             keys_ += [keys.quota_rate(subject, name), keys.quota_concurrent(subject, name)]
             args += [
@@ -462,11 +477,46 @@ class Scripts:
                 "" if q.load_seconds_per_day is None else q.load_seconds_per_day,
                 keys.quota_field("tokens", subject, name),
                 keys.quota_field("load_seconds", subject, name),
+                keys.quota_field("reserved", subject, name),
             ]
         res = self._run("admit", keys_, args)
         if int(res[0]) == 1:
             return []
         return [str(int(res[1]) - 1), *(_s(v) for v in res[2:])]
+
+    def release(self, admission_id: str, *, day: str, held: list[str], reserved: list[str]) -> bool:
+        """Give back what admission ``admission_id`` (of ``day``) held: its places in the
+        in-flight sets ``held`` and its reservation on the ``reserved`` fields (the
+        reserved-tokens fields of its subjects). True when a reservation was given back (once:
+        a second release gives back nothing)."""
+        return bool(
+            self._run(
+                "release",
+                [keys.quota_day(day), *held],
+                [admission_id, keys.quota_hold_field(admission_id), *reserved],
+            )
+        )
+
+    def charge(
+        self, model: str, *, user: str, key: str, usage: tuple[int, int], now: float
+    ) -> None:
+        """Count one request ``user`` sent (with API key id ``key``, '' for none) to the remote
+        model ``model`` and its ``usage`` (prompt, completion tokens) as ``finish`` counts a
+        local one's: on the day's usage hash, the all-time totals and the day's quota totals."""
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        self._run(
+            "charge",
+            [keys.usage(day), keys.usage_totals(), keys.quota_day(day)],
+            [
+                keys.usage_field(user, model, ""),
+                max(0, int(usage[0])),
+                max(0, int(usage[1])),
+                keys.USAGE_TTL_S,
+                keys.quota_field("tokens", "user", user) if user else "",
+                keys.quota_field("tokens", "key", key) if key else "",
+                keys.QUOTA_DAY_TTL_S,
+            ],
+        )
 
     def begin_drain(
         self, model: str, *, token: str, control: dict[str, Any], now: float, lease: str

@@ -108,6 +108,12 @@ class ServerSettings(_Strict):
         RESTART,
         "let remote models forward to loopback, link-local and unspecified addresses",
     )
+    allow_private_remotes: bool = _key(
+        False,
+        RESTART,
+        "let remote models forward to the private ranges (10/8, 172.16/12, 192.168/16, "
+        "fc00::/7) and CGNAT (100.64/10)",
+    )
     redis_min_replicas: int = _key(
         1,
         LIVE,

@@ -288,6 +288,7 @@ def submit(
     bound: int,
     timeout_s: float,
     deadline_s: float = 0.0,
+    deadline_at: float = 0.0,
     client_gone: Callable[[], bool] | None = None,
     keepalive_s: float = 0.0,
     user: str = "",
@@ -301,7 +302,9 @@ def submit(
     shared between users: a full queue refuses 429 with Retry-After, unless ``user`` is within
     its share of it, when the newest queued request of the user furthest above its share is
     answered that 429 instead and this one takes its place (``submit.lua``, ``_shares.lua``).
-    ``deadline_s``: it must be finished that long after submit (0: no deadline). ``user``:
+    ``deadline_s``: it must be finished that long after submit (0: no deadline);
+    ``deadline_at``: the time it must be finished by instead (its request's deadline, for a
+    routing helper's call or a request routed first; 0: use ``deadline_s``). ``user``:
     who asked (usage, fair turns and shares); ``key``: the id of its API key (daily quotas);
     without ``may_load`` a model that is neither ready nor loading is refused 409 and nothing is
     queued (the request would load it). ``weight``: the user's share of the model's turns and
@@ -316,7 +319,7 @@ def submit(
         params=params,
         stream=stream,
         submitted=now,
-        deadline=now + deadline_s if deadline_s > 0 else 0.0,
+        deadline=deadline_at or (now + deadline_s if deadline_s > 0 else 0.0),
         user=user,
         key=key,
         cache_scope=cache_scope,

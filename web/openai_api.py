@@ -8,6 +8,7 @@ import logging
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.registry import Entry, all_entries
+from residency.settings import ModelSpec
 from web import admission, auth, bus, quota, remote, routing, validation
 from web.body import check_size, read_json
 from web.state import State, View, state
@@ -50,6 +52,7 @@ class Target:
     view: View
     route: str | None = None  # the x-residency-route header value
     trace: dict[str, Any] | None = None
+    admitted: bool = False  # admitted against its caller's quotas before it was routed
 
 
 #: The model type each request kind needs (any other kind: "llm"), and what it is called.
@@ -66,9 +69,18 @@ def _check_type(entry: Entry, kind: Kind, param: str = "model") -> None:
         )
 
 
-def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Target:
+def _resolve(
+    st: State,
+    model: str,
+    kind: Kind,
+    body: Mapping[str, Any],
+    v: validation.Validated | None = None,
+) -> Target:
     """The registry entry to serve ``model`` (404 when unknown, 400 for the wrong type); a
-    policy name is routed to one of its candidates first."""
+    policy name is routed to one of its candidates first. With ``v`` (a generation request),
+    a policy's request is admitted against its caller's quotas before it is routed (its
+    routing helpers generate only for an admitted request, and within its deadline), and its
+    Target says so (``admitted``); otherwise the caller admits it (``_quota``)."""
     view, entry, policy = st.lookup(model)
     if entry is not None or policy is not None:
         g.model_label = model
@@ -77,8 +89,16 @@ def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Targ
     if policy is not None and kind not in _SERVED_BY:  # policies route llm requests only
         if not caller.may_use_policy(model):
             raise not_allowed(model)
+        if v is not None:
+            _admit(st, view, model, kind, v, cap=_policy_cap(st, policy), may_load=False)
         decision = routing.route(
-            st, view.settings, policy, kind, body, user=caller.user, may_load=caller.may_load
+            st,
+            view.settings,
+            policy,
+            kind,
+            body,
+            caller=caller,
+            deadline_at=g.get("deadline_at", 0.0),
         )
         _view, entry, _ = st.lookup(decision.candidate)
         if entry is None:
@@ -92,13 +112,28 @@ def _resolve(st: State, model: str, kind: Kind, body: Mapping[str, Any]) -> Targ
         if not caller.may_use_model(entry.name):
             raise not_allowed(entry.name, via=model)
         _check_type(entry, kind)
-        return Target(entry, view, routing.route_header(model, decision), decision.trace)
+        if v is not None and not entry.spec.remote:
+            # Admitted before the candidate was known: its load-seconds quota is checked now.
+            quota.admit_load(st.r, st.scripts, quota.principal(), entry.name)
+        header = routing.route_header(model, decision)
+        return Target(entry, view, header, decision.trace, admitted=v is not None)
     if entry is None:
         raise errors.model_not_found(model)
     if not caller.may_use_model(model):
         raise not_allowed(model)
     _check_type(entry, kind)
     return Target(entry, view)
+
+
+def _policy_cap(st: State, policy: PolicyEntry) -> int:
+    """The largest token cap among a policy's registered candidates: what a request that names
+    no ``max_tokens`` reserves before it is routed."""
+    names = [str(c) for c in policy.spec.get("candidates", [])]
+    raws = st.r.hmget(keys.registry(), names) if names else []
+    caps = [
+        Entry.loads(n, str(raw)).spec.token_cap for n, raw in zip(names, raws, strict=True) if raw
+    ]
+    return max(caps, default=int(ModelSpec.model_fields["n_ctx"].default))
 
 
 def not_allowed(name: str, via: str | None = None) -> ApiError:
@@ -167,26 +202,77 @@ def _client_gone() -> Callable[[], bool] | None:
     return lambda: _peer_closed(sock)
 
 
-def _quota(st: State, t: Target) -> None:
-    """Admit the request against its caller's quotas (429 ``quota_exceeded`` when over one);
-    the place in flight it takes is given back by ``_admitted`` when the request ends."""
-    srv = t.view.settings.server
+def _max_tokens(kind: Kind, params: Mapping[str, Any], cap: int) -> int | None:
+    """The most tokens a request may generate (None: it generates nothing)."""
+    if kind in _SERVED_BY:
+        return None
+    return int(capped_params(kind, dict(params), cap)["max_tokens"])
+
+
+def _admit(
+    st: State,
+    view: View,
+    model: str,
+    kind: Kind,
+    v: validation.Validated | None,
+    *,
+    cap: int,
+    may_load: bool,
+) -> None:
+    """Admit the request against its caller's quotas (429 ``quota_exceeded`` when over one),
+    reserving the most tokens it may use; what it takes is given back by ``_admitted`` when
+    the request ends. Its deadline starts here (``g.deadline_at``)."""
+    srv = view.settings.server
+    params = v.params if v is not None else {}
+    now = time.time()
+    if srv.request_deadline_s:
+        g.deadline_at = now + srv.request_deadline_s
     ticket = quota.admit(
         st.r,
         st.scripts,
         quota.principal(),
-        t.entry.name,
+        model,
         hold_s=srv.request_deadline_s or srv.request_timeout_s,
-        may_load=not t.entry.spec.remote,
+        may_load=may_load,
+        reserve=quota.reservation(params, _max_tokens(kind, params, cap)),
+        now=now,
     )
     if ticket is not None:
         g.quota_ticket = ticket
 
 
+def _quota(st: State, t: Target, kind: Kind, v: validation.Validated | None = None) -> None:
+    """Admit a request for ``t`` (see ``_admit``), unless it was admitted before its routing."""
+    if not t.admitted:
+        spec = t.entry.spec
+        _admit(st, t.view, t.entry.name, kind, v, cap=spec.token_cap, may_load=not spec.remote)
+
+
+def _charge_remote(t: Target) -> Callable[[remote.Usage], None]:
+    """What a request to a remote model used, counted for its caller (see ``quota.charge``)."""
+    caller, scripts = quota.principal(), state().scripts
+    return lambda usage: quota.charge(scripts, caller, t.entry.name, usage)
+
+
+def _forward(
+    t: Target, path: str, body: Mapping[str, Any], v: validation.Validated
+) -> remote.Forwarded:
+    """Send the request to ``t``'s remote upstream, its usage counted for its caller."""
+    return remote.forward(
+        t.entry.name,
+        t.entry.spec,
+        path,
+        body,
+        t.view.settings.server,
+        on_usage=_charge_remote(t),
+        prompt_estimate=quota.prompt_bytes(v.params),
+    )
+
+
 def _release_quota() -> None:
     ticket = g.pop("quota_ticket", None)
     if ticket is not None:
-        ticket.release(state().r)
+        ticket.release(state().scripts)
 
 
 def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Call:
@@ -202,6 +288,7 @@ def _submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Ca
         bound=pool.max_queue_per_model,
         timeout_s=srv.request_timeout_s,
         deadline_s=srv.request_deadline_s,
+        deadline_at=g.get("deadline_at", 0.0),
         client_gone=_client_gone(),
         keepalive_s=srv.sse_keepalive_s if v.stream else 0.0,
         fair=pool.fair_queues,
@@ -343,14 +430,18 @@ class _Held:
             raise
 
     def close(self) -> None:
-        if not self._released:
-            self._released = True
-            admission.IN_FLIGHT.release(self._place)
-            if self._release is not None:
-                self._release()
-        close = getattr(self._body, "close", None)
-        if close is not None:
-            close()
+        # The body first: closing it ends what it streams (a remote's stream counts its usage
+        # then), before the request's quota places and reservation are given back.
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            if not self._released:
+                self._released = True
+                admission.IN_FLIGHT.release(self._place)
+                if self._release is not None:
+                    self._release()
 
 
 def _admitted(view: Callable[[], Any]) -> Any:
@@ -370,8 +461,8 @@ def _admitted(view: Callable[[], Any]) -> Any:
         raise
     if resp.is_streamed:
         ticket = g.pop("quota_ticket", None)
-        r = state().r
-        release = None if ticket is None else (lambda: ticket.release(r))
+        scripts = state().scripts
+        release = None if ticket is None else (lambda: ticket.release(scripts))
         resp.response = _Held(resp.response, place, release)
     else:
         admission.IN_FLIGHT.release(place)
@@ -437,7 +528,7 @@ def dispatch(
     pipeline every generation API shares (chat, completions, Anthropic's messages); run it
     inside ``_admitted``, which gives back what it holds."""
     st = state()
-    t = _resolve(st, v.model, kind, body)
+    t = _resolve(st, v.model, kind, body, v)
     name = t.entry.name
     if t.entry.spec.remote and submit_as not in (None, kind):
         raise errors.bad_request(
@@ -445,9 +536,9 @@ def dispatch(
             "model",
             "unsupported",
         )
-    _quota(st, t)
+    _quota(st, t, kind, v)
     if t.entry.spec.remote:
-        fwd = remote.forward(name, t.entry.spec, path, body, t.view.settings.server)
+        fwd = _forward(t, path, body, v)
         if v.stream:
             return Dispatched(t, batches=(bus.Batch([e]) for e in fwd.events()), abandon=fwd.close)
         return Dispatched(t, result=_named(fwd.json(), name))
@@ -482,15 +573,9 @@ def _embeddings() -> Any:
     v = validation.validate_embedding(body)
     st = state()
     t = _resolve(st, v.model, Kind.EMBEDDING, body)
-    _quota(st, t)
+    _quota(st, t, Kind.EMBEDDING, v)
     if t.entry.spec.remote:
-        out = _named(
-            remote.forward(
-                t.entry.name, t.entry.spec, "/embeddings", body, t.view.settings.server
-            ).json(),
-            v.model,
-        )
-        return jsonify(out)
+        return jsonify(_named(_forward(t, "/embeddings", body, v).json(), v.model))
     out = _named(_submit(st, Kind.EMBEDDING, v, t).result(), v.model)
     if v.options.get("encoding_format") == "base64":
         for item in out.get("data", []):

@@ -1,12 +1,28 @@
 """Quotas: what one user, and one API key, may ask of the box — requests per minute, requests
 in flight, tokens and load-seconds per day.
 
-A request must fit the quotas of its user and of its key. All of them are checked, and the
-places the request takes (one in its minute's window, one in flight) are taken, in one Lua
-script (``admit.lua``) in Redis, so the web processes together never admit one request over a
-quota however many ask at once. The daily quotas are checked against totals that the model
-processes count in the same steps that count usage (``finish.lua``: tokens; ``commit_load.lua``:
-the load time charged to the user whose request caused the load).
+A request must fit the quotas of its user and of its key. All of them are checked, and what
+the request takes (a place in its minute's window, a place in flight, a reservation of the
+tokens it may use) is taken, in one Lua script (``admit.lua``) in Redis, so however many ask at
+once across the web processes:
+
+- ``requests_per_minute`` and ``concurrent`` never admit one request over the quota;
+- ``tokens_per_day`` admits a request while the day's charged tokens plus the reservations of
+  the requests in flight are below the quota, and the request then reserves the most it may
+  use (``reservation``: its prompt counted as one token per byte, plus its ``max_tokens`` as
+  capped for its model), so the day ends at most one request over the quota (the last one
+  admitted; plus what a routing helper of a request generated, and any request whose prompt
+  took more tokens than it has bytes). A request is admitted when any tokens are left rather
+  than having its ``max_tokens`` cut to what is left: its answer is never truncated by the
+  quota. The reservation is given back when the request ends (``release.lua``), after its
+  real usage was charged (``finish.lua`` writes the last reply in the step that charges it;
+  a remote's usage is charged by web, ``charge``); a web process that dies holding one leaks
+  it only until the UTC day ends (it lives in that day's hash). A request web abandons while
+  it generates (its client gone, its timeout) gives its reservation back at once and is
+  charged what it used when its model process stops it, at its next token. A request still
+  running at 00:00 UTC is charged to the new day, unreserved there;
+- ``load_seconds_per_day`` refuses a request that would load a model once the day's load time
+  charged to the user (``commit_load.lua``: the user whose request caused the load) reached it.
 
 A refusal is 429 ``quota_exceeded`` with ``Retry-After``: until the window frees a place, one
 of the requests in flight ends (about one request's time in its slot), or the UTC day ends.
@@ -15,11 +31,14 @@ Anonymous callers, and users and keys without quotas, cost no Redis round trip h
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from flask import g
@@ -55,26 +74,47 @@ def subjects(p: Principal) -> list[tuple[str, str, Quotas]]:
 
 @dataclass(frozen=True)
 class Ticket:
-    """One admitted request's places in flight, given back when the web tier finishes it."""
+    """One admitted request's places in flight and token reservation, given back when the web
+    tier finishes it."""
 
     id: str
+    day: str  # the UTC day it was admitted on: its reservation lives in that day's totals
     held: tuple[str, ...]  # the in-flight sets it holds a place in
+    reserved: tuple[str, ...] = field(default=())  # the reserved-tokens fields it added to
 
-    def release(self, r: redis.Redis) -> None:
-        if not self.held:
+    def release(self, scripts: Scripts) -> None:
+        if not self.held and not self.reserved:
             return
         try:
-            pipe = r.pipeline(transaction=False)
-            for key in self.held:
-                pipe.zrem(key, self.id)
-            pipe.execute()
+            scripts.release(
+                self.id, day=self.day, held=list(self.held), reserved=list(self.reserved)
+            )
         except redis.RedisError:
-            # Its place expires at its deadline (the score it was added with).
-            log.warning("could not give back the in-flight place of %s", self.id)
+            # Its place expires at its deadline (the score it was added with), its reservation
+            # with its day's totals.
+            log.warning("could not give back the quota places of %s", self.id)
 
 
 def day_of(now: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(now))
+
+
+#: The request fields whose text becomes the prompt (what a reservation counts).
+PROMPT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "query", "documents")
+
+
+def prompt_bytes(params: Mapping[str, Any]) -> int:
+    """An upper bound of the tokens ``params``' prompt takes: the UTF-8 bytes of its prompt
+    fields as JSON (every token of a byte-level vocabulary is at least one byte, and the JSON
+    around each message outweighs the few tokens its chat template adds)."""
+    parts = {k: params[k] for k in PROMPT_FIELDS if k in params}
+    return len(json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def reservation(params: Mapping[str, Any], max_tokens: int | None) -> int:
+    """The most tokens one request may use: its prompt (``prompt_bytes``) and ``max_tokens``
+    (as capped for its model; None for a request that generates nothing)."""
+    return prompt_bytes(params) + max(0, max_tokens or 0)
 
 
 def admit(
@@ -85,30 +125,80 @@ def admit(
     *,
     hold_s: float,
     may_load: bool = True,
+    reserve: int = 0,
     now: float | None = None,
 ) -> Ticket | None:
     """Admit one request of ``p`` for ``model`` (None: nothing to check), or raise the 429.
     ``hold_s``: the longest the request can last (its place in flight expires then, should this
-    process die holding it); ``may_load``: ``model`` is local (its load can be caused)."""
+    process die holding it); ``may_load``: ``model`` is local (its load can be caused);
+    ``reserve``: the most tokens it may use (``reservation``), held against the
+    tokens-per-day quotas until it is released."""
     subs = subjects(p)
     if not subs:
         return None
     now = time.time() if now is None else now
     admission_id = uuid.uuid4().hex
+    day = day_of(now)
     res = scripts.admit(
         model,
         admission_id,
-        day=day_of(now),
+        day=day,
         hold_s=hold_s,
         may_load=may_load,
         subjects=subs,
+        reserve=reserve,
     )
     if not res:
         held = tuple(keys.quota_concurrent(s, n) for s, n, q in subs if q.concurrent is not None)
-        return Ticket(admission_id, held)
-    index, quota, limit, used, retry, state = res
+        reserved = tuple(
+            keys.quota_field("reserved", s, n)
+            for s, n, q in subs
+            if q.tokens_per_day is not None and reserve > 0
+        )
+        return Ticket(admission_id, day, held, reserved)
+    index, quota, limit, used, retry, state, in_flight = res
     subject, name, _ = subs[int(index)]
-    raise refusal(p, subject, name, quota, limit, used, retry, model, state, now)
+    raise refusal(p, subject, name, quota, limit, used, retry, model, state, now, in_flight)
+
+
+def admit_load(
+    r: redis.Redis, scripts: Scripts, p: Principal, model: str, *, now: float | None = None
+) -> None:
+    """Check only the load-seconds quotas of ``p`` for the local ``model`` (429 when the
+    request would load it past them): for a request admitted before its model was known (a
+    policy's, admitted before its routing helpers ran). Takes nothing."""
+    only = [
+        (s, n, Quotas(load_seconds_per_day=q.load_seconds_per_day))
+        for s, n, q in subjects(p)
+        if q.load_seconds_per_day is not None
+    ]
+    if not only:
+        return
+    now = time.time() if now is None else now
+    res = scripts.admit(
+        model, uuid.uuid4().hex, day=day_of(now), hold_s=0, may_load=True, subjects=only
+    )
+    if res:
+        index, quota, limit, used, retry, state, in_flight = res
+        subject, name, _ = only[int(index)]
+        raise refusal(p, subject, name, quota, limit, used, retry, model, state, now, in_flight)
+
+
+def charge(
+    scripts: Scripts, p: Principal, model: str, usage: tuple[int, int], now: float | None = None
+) -> None:
+    """Count what a request of ``p`` used of the remote ``model`` (no model process counts
+    it): its usage and its user's and key's tokens of the day, as a local model's finish does."""
+    try:
+        scripts.charge(
+            model,
+            user=p.user or "",
+            key=p.key_id or "",
+            usage=usage,
+            now=time.time() if now is None else now,
+        )
+    except redis.RedisError:
+        log.warning("could not count the usage of a request to remote model %s", model)
 
 
 def _who(p: Principal, subject: str, name: str) -> str:
@@ -132,6 +222,7 @@ def refusal(
     model: str,
     state: str,
     now: float,
+    in_flight: str = "0",
 ) -> ApiError:
     """The 429 for a request refused by ``quota`` of ``subject`` ``name``: the message names
     the quota, its limit and when it resets."""
@@ -146,6 +237,12 @@ def refusal(
         msg = (
             f"{who} reached its quota of {limit} concurrent requests; retry in {wait} s, when "
             "one of them has ended"
+        )
+    elif quota == "tokens_per_day" and retry != "":
+        msg = (
+            f"{who} reached its quota of {limit} tokens per day with its requests in flight "
+            f"({_num(used)} used today, {_num(in_flight)} reserved by them); retry in {wait} s, "
+            "when one of them has ended and given back what it did not use"
         )
     elif quota == "tokens_per_day":
         msg = (

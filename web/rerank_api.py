@@ -13,9 +13,17 @@ from typing import Any
 from flask import Blueprint, Response, g, jsonify, request
 
 from residency.messages import Kind
-from web import bus, remote, rerank
+from web import bus, rerank
 from web.body import read_json
-from web.openai_api import UNKNOWN_LABEL, _admitted, _named, _quota, _resolve, _submit
+from web.openai_api import (
+    UNKNOWN_LABEL,
+    _admitted,
+    _forward,
+    _named,
+    _quota,
+    _resolve,
+    _submit,
+)
 from web.state import state
 
 bp = Blueprint("rerank", __name__, url_prefix="/v1")
@@ -38,8 +46,7 @@ def _rerank() -> Any:
     v = rerank.validate_rerank(body)
     st = state()
     t = _resolve(st, v.model, Kind.RERANK, body)
-    _quota(st, t)
+    _quota(st, t, Kind.RERANK, v)
     if t.entry.spec.remote:
-        fwd = remote.forward(t.entry.name, t.entry.spec, "/rerank", body, t.view.settings.server)
-        return jsonify(_named(fwd.json(), v.model))
+        return jsonify(_named(_forward(t, "/rerank", body, v).json(), v.model))
     return jsonify(rerank.answer(_submit(st, Kind.RERANK, v, t).result(), v))

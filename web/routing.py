@@ -3,6 +3,11 @@
 The decision itself is pure (``residency.policies``); this module supplies what it needs from
 the outside — calls to routing-helper models (an LLM router, classifiers) through the same bus
 as any request — and records what was decided (metrics, the conversation-switch counter).
+
+A helper call is part of its request: it runs only once the request was admitted against its
+caller's quotas (a caller refused 429 makes no helper generate), and as the caller's — counted
+under its user and API key (usage, tokens per day), with its fair-queueing weight and within
+the request's deadline.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from residency import keys, policies
+from residency.auth import ANONYMOUS, Principal
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
@@ -47,12 +53,14 @@ def call_helper(
     messages: list[dict[str, str]],
     max_tokens: int,
     *,
-    user: str = "",
-    may_load: bool = True,
+    caller: Principal = ANONYMOUS,
+    deadline_at: float = 0.0,
 ) -> str:
     """Ask a routing helper (a local LLM in the helper pool) and return its reply text. The
-    call is the request's caller's: counted as its ``user``, and without ``may_load`` it never
-    loads a helper that is not resident (the routing then falls back as for any failure)."""
+    call is the request's ``caller``'s: counted under its user and key, queued with its
+    weight, finished by the request's deadline (``deadline_at``, 0 = none), and without its
+    ``may_load`` it never loads a helper that is not resident (the routing then falls back as
+    for any failure)."""
     call = bus.submit(
         st.r,
         st.scripts,
@@ -67,9 +75,12 @@ def call_helper(
         stream=False,
         bound=s.pool.max_queue_per_model,
         timeout_s=min(HELPER_TIMEOUT_S, s.server.request_timeout_s),
+        deadline_at=deadline_at,
         fair=s.pool.fair_queues,
-        user=user,
-        may_load=may_load,
+        user=caller.user or "",
+        key=caller.key_id or "",
+        may_load=caller.may_load,
+        weight=caller.weight,
         cache_scope=s.cache.scope,
     )
     out = call.result()
@@ -89,8 +100,8 @@ def decide(
     policy: policies.Policy,
     inp: policies.RoutingInput,
     *,
-    user: str = "",
-    may_load: bool = True,
+    caller: Principal = ANONYMOUS,
+    deadline_at: float = 0.0,
 ) -> policies.Decision:
     """The candidate for this request. A failing helper never fails the request: the router
     falls back to the default, and a failing classifier leaf counts as no match."""
@@ -103,8 +114,8 @@ def decide(
                 router.model,
                 policies.router_messages(name, policy, inp),
                 router.max_tokens,
-                user=user,
-                may_load=may_load,
+                caller=caller,
+                deadline_at=deadline_at,
             )
         except ApiError as e:
             return policies.router_decision(name, policy, None, error=e.message)
@@ -113,7 +124,7 @@ def decide(
     def classify(clf_id: str, text: str) -> Mapping[str, float]:
         clf = policy.classifiers[clf_id]
         messages = policies.classifier_messages(clf_id, clf, text)
-        reply = call_helper(st, s, clf.model, messages, 256, user=user, may_load=may_load)
+        reply = call_helper(st, s, clf.model, messages, 256, caller=caller, deadline_at=deadline_at)
         return policies.parse_classifier_reply(clf, reply)
 
     return policies.evaluate(name, policy, inp, classify)
@@ -152,16 +163,23 @@ def route(
     kind: Kind,
     body: Mapping[str, Any],
     *,
-    user: str = "",
-    may_load: bool = True,
+    caller: Principal = ANONYMOUS,
+    deadline_at: float = 0.0,
 ) -> policies.Decision:
+    """The candidate for a request of ``caller`` (already admitted against its quotas)."""
     try:
         policy = policies.Policy.model_validate(entry.spec)
     except ValueError as e:
         log.error("policy %s does not parse: %s", entry.name, e)
         raise ApiError(500, f"policy '{entry.name}' is invalid", type="server_error") from e
     decision = decide(
-        st, s, entry.name, policy, routing_input(kind, body), user=user, may_load=may_load
+        st,
+        s,
+        entry.name,
+        policy,
+        routing_input(kind, body),
+        caller=caller,
+        deadline_at=deadline_at,
     )
     record(st, entry.name, decision, body)
     return decision

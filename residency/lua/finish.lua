@@ -30,28 +30,10 @@ if ARGV[8] ~= '' then
 end
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
   -- Counted once per request: a finish retried after a lost reply removes nothing the second
-  -- time, and counts nothing.
-  redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'requests', 1)
-  if ARGV[11] ~= '' then
-    redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'prompt_tokens', tonumber(ARGV[11]))
-    redis.call('HINCRBY', KEYS[8], ARGV[10] .. 'completion_tokens', tonumber(ARGV[12]))
-  end
-  redis.call('EXPIRE', KEYS[8], tonumber(ARGV[13]))
-  -- The same counts, all-time (per-user metrics) and as the day's totals of its user and key
-  -- that tokens_per_day is checked against (admit.lua): one field each, not a scan of the
-  -- usage hash per admission.
-  redis.call('HINCRBY', KEYS[12], ARGV[10] .. 'requests', 1)
-  if ARGV[11] ~= '' then
-    local tokens = tonumber(ARGV[11]) + tonumber(ARGV[12])
-    redis.call('HINCRBY', KEYS[12], ARGV[10] .. 'prompt_tokens', tonumber(ARGV[11]))
-    redis.call('HINCRBY', KEYS[12], ARGV[10] .. 'completion_tokens', tonumber(ARGV[12]))
-    for i = 14, 15 do
-      if ARGV[i] ~= '' then
-        redis.call('HINCRBY', KEYS[11], ARGV[i], tokens)
-        redis.call('EXPIRE', KEYS[11], tonumber(ARGV[16]))
-      end
-    end
-  end
+  -- time, and counts nothing. The same counts go all-time (per-user metrics) and on the day's
+  -- totals of its user and key.
+  count_usage(KEYS[8], KEYS[12], KEYS[11], ARGV[10], ARGV[11], ARGV[12], ARGV[13],
+              {ARGV[14], ARGV[15]}, ARGV[16])
 end
 fair_forget(KEYS[9], KEYS[10], KEYS[2], KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[3], 'last_used', ARGV[2])

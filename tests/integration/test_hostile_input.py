@@ -18,7 +18,7 @@ from flask.testing import FlaskClient
 from residency import registry
 from residency.box import Box
 from residency.settings import ModelSpec
-from tests.conftest import Pool
+from tests.conftest import Pool, tiny_models
 from web import create_app
 from web.body import MAX_JSON_DEPTH
 from web.openai_api import UNKNOWN_LABEL
@@ -301,18 +301,39 @@ def test_caps(client: FlaskClient, extra: dict[str, Any], param: str, code: str 
     assert MAX_CONTENT_PARTS == 256  # the case above is one over it
 
 
-def test_caps_allow_their_limit(client: FlaskClient) -> None:
-    """At the cap a request passes validation: it gets as far as the (unknown) model."""
-    at_cap = {
-        **CHAT,
-        "model": "nope",
-        "stop": ["x" * MAX_STOP_CHARS] * MAX_STOP,
-        "tools": [_tool(i) for i in range(MAX_TOOLS)],
-        "response_format": _rf(
-            {"type": "array", "items": {"type": "integer"}, "maxItems": MAX_SCHEMA_REPEAT}
-        ),
-    }
-    envelope(client.post("/v1/chat/completions", json=at_cap), 404, "model_not_found")
+def test_caps_allow_their_limit(start_pool: Callable[..., Pool], models_dir: Path) -> None:
+    """At each cap a request is served: it passes validation and a real model process
+    generates its answer (counted in the model's usage), not merely "not 400"."""
+    from residency.tinymodel import write_tiny_model
+    from tests.integration.test_pool import client_for
+    from tests.integration.test_usage import usage_of
+    from tests.integration.tools_template import TOOLS_TEMPLATE
+
+    # A template that takes tools, and room for the prompt of 128 of them.
+    tools_model = models_dir / "tiny-tools.gguf"
+    if not tools_model.exists():
+        write_tiny_model(tools_model, seed=5, chat_template=TOOLS_TEMPLATE)
+    pool = start_pool(models=tiny_models(models_dir, a={"path": str(tools_model), "n_ctx": 16384}))
+    c = client_for(pool)
+    at_caps = [
+        {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP},
+        {"tools": [_tool(i) for i in range(MAX_TOOLS)]},
+        {
+            "response_format": _rf(
+                {"type": "array", "items": {"type": "integer"}, "maxItems": MAX_SCHEMA_REPEAT}
+            )
+        },
+    ]
+    for n, extra in enumerate(at_caps, 1):
+        body = {**CHAT, "model": "a", "max_tokens": 4, "temperature": 0, **extra}
+        resp = c.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, (list(extra), resp.get_data(as_text=True)[:500])
+        out = resp.get_json()
+        assert out["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+        assert out["usage"]["prompt_tokens"] > 0
+        assert usage_of(pool.r, "-", "a")["requests"] == n  # served by the model process
+    # The tools were in the prompt it was given.
+    assert usage_of(pool.r, "-", "a")["prompt_tokens"] > 2 * MAX_TOOLS
 
 
 def test_embedding_inputs_are_capped(client: FlaskClient) -> None:

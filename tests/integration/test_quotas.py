@@ -2,10 +2,11 @@
 web tier calls it, and — for the HTTP behaviour — the coordinator, agent and real model
 processes (llama.cpp, tiny GGUF) behind Flask apps, two of them standing for two web processes.
 
-The callers' identities come from a ``before_request`` hook of the test (the header
-``x-test-caller`` names one of the test's principals): it sets ``flask.g.principal`` as the
-auth layer does, so these tests exercise quotas alone. Assertions are on statuses, error
-codes, counts and stored totals, never on how long something took.
+Over HTTP the callers are real users and API keys, made through the admin API and sent as
+``Authorization: Bearer``, so quotas are exercised through authentication as clients meet
+them; the quotas that must hold under concurrency are hit by many requests at once.
+Assertions are on statuses, error codes, counts and stored totals, never on how long something
+took.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import redis
-from flask import Flask, g, request
+from flask import Flask
 from flask.testing import FlaskClient
 
 from residency import keys
@@ -46,24 +48,59 @@ def user(
     )
 
 
-def app_for(pool: Pool, callers: dict[str, Principal]) -> Flask:
-    """The web app of one web process, with the test's callers: ``x-test-caller: NAME``."""
+def app_for(pool: Pool) -> Flask:
+    """The web app of one web process."""
     with _APP_LOCK:
-        app = create_app(pool.box)
-
-    @app.before_request
-    def _caller() -> None:
-        name = request.headers.get("x-test-caller")
-        if name:
-            g.principal = callers[name]
-
-    return app
+        return create_app(pool.box)
 
 
-def ask(c: FlaskClient, caller: str | None, model: str = "a", **kw: Any) -> Any:
+@dataclass
+class Caller:
+    """A real user and one of its API keys (``key_id``), as a client holds them."""
+
+    user: str
+    key_id: str
+    headers: dict[str, str]
+
+
+def caller(
+    c: FlaskClient, name: str, key_quotas: dict[str, Any] | None = None, **user_quotas: Any
+) -> Caller:
+    """A new API key of user ``name`` (made, with ``user_quotas``, when it does not exist), the
+    key with quotas of its own ``key_quotas``."""
+    if c.get(f"/admin/users/{name}", headers=ADMIN).status_code == 404:
+        resp = c.post("/admin/users", json={"name": name, "quotas": user_quotas}, headers=ADMIN)
+        assert resp.status_code == 201, resp.get_json()
+    resp = c.post(f"/admin/users/{name}/keys", json={"quotas": key_quotas or {}}, headers=ADMIN)
+    assert resp.status_code == 201, resp.get_json()
+    out = resp.get_json()
+    return Caller(name, str(out["api_key"]["id"]), {"Authorization": f"Bearer {out['key']}"})
+
+
+def ask(c: FlaskClient, who: Caller | None, model: str = "a", **kw: Any) -> Any:
     body = {"model": model, "messages": MESSAGES, "max_tokens": 4, **kw}
-    headers = {"x-test-caller": caller} if caller else {}
-    return c.post("/v1/chat/completions", json=body, headers=headers)
+    return c.post("/v1/chat/completions", json=body, headers=who.headers if who else {})
+
+
+def at_once(n: int, fn: Callable[[int], Any]) -> list[Any]:
+    """``fn(i)`` for i < n, in n threads let go together; their results."""
+    go = threading.Barrier(n)
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        go.wait()
+        out = fn(i)
+        with lock:
+            results.append(out)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == n
+    return results
 
 
 def refused(resp: Any, quota_name: str) -> str:
@@ -142,7 +179,7 @@ def test_a_request_must_fit_both_its_user_and_its_key_and_a_refusal_takes_nothin
     assert e.value.message.startswith("API key 'k1' of user 'ann' reached its quota of 1 ")
     # The refused request took no place in its user's window.
     assert r.zcard(keys.quota_rate("user", "ann")) == 1
-    first.release(r)
+    first.release(s)
     assert r.zcard(keys.quota_concurrent("key", "k1")) == 0
     assert quota.admit(r, s, p, "a", hold_s=60) is not None
     assert r.zcard(keys.quota_rate("user", "ann")) == 2
@@ -197,31 +234,40 @@ def test_daily_quotas_read_the_days_totals(r: redis.Redis) -> None:
     assert quota.admit(r, s, p, "a", hold_s=60, may_load=False) is not None
 
 
-# --- through the web tier, with real model processes ------------------------------------------
+def test_a_reservation_holds_until_released_once_and_lapses_with_its_day(r: redis.Redis) -> None:
+    s = Scripts(r)
+    day = keys.quota_day(today())
+    p = user("ann", key="k1", key_quotas=Quotas(tokens_per_day=500), tokens_per_day=100)
+    first = quota.admit(r, s, p, "a", hold_s=60, reserve=60)
+    assert first is not None
+    for subject, name in (("user", "ann"), ("key", "k1")):
+        assert int(r.hget(day, keys.quota_field("reserved", subject, name))) == 60
+    second = quota.admit(r, s, p, "a", hold_s=60, reserve=60)  # 60 < 100: admitted
+    assert second is not None
+    # 120 reserved, nothing charged: refused until one of them ends, not until the day does.
+    with pytest.raises(ApiError) as e:
+        quota.admit(r, s, p, "a", hold_s=60, reserve=60)
+    assert "quota of 100 tokens per day with its requests in flight" in e.value.message
+    assert "(0 used today, 120 reserved by them)" in e.value.message
+    assert e.value.retry_after is not None and e.value.retry_after <= quota.MAX_RETRY_S
+    first.release(s)
+    first.release(s)  # given back once
+    assert int(r.hget(day, keys.quota_field("reserved", "user", "ann"))) == 60
+    assert quota.admit(r, s, p, "a", hold_s=60, reserve=1) is not None
+    # What a web process that died still holds lapses with the day's hash.
+    assert 0 < r.ttl(day) <= keys.QUOTA_DAY_TTL_S
+
+
+# --- through the web tier: real keys over HTTP, with real model processes ---------------------
 
 
 def test_two_web_processes_admit_exactly_the_requests_per_minute(
     start_pool: Callable[..., Pool],
 ) -> None:
     pool = start_pool()
-    callers = {"ann": user("ann", requests_per_minute=7)}
-    apps = [app_for(pool, callers), app_for(pool, callers)]
-    go = threading.Barrier(20)
-    results: list[Any] = []
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        c = apps[i % 2].test_client()
-        go.wait()
-        resp = ask(c, "ann")
-        with lock:
-            results.append(resp)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    apps = [app_for(pool), app_for(pool)]
+    ann = caller(apps[0].test_client(), "ann", requests_per_minute=7)
+    results = at_once(20, lambda i: ask(apps[i % 2].test_client(), ann))
     codes = sorted(x.status_code for x in results)
     assert codes == [200] * 7 + [429] * 13
     for resp in results:
@@ -234,18 +280,19 @@ def test_two_web_processes_admit_exactly_the_requests_per_minute(
 
 def test_concurrent_quota_with_held_requests(start_pool: Callable[..., Pool]) -> None:
     pool = start_pool(debug={"fault_injection": True}, models=None)
-    callers = {"ann": user("ann", concurrent=2), "bob": user("bob")}
-    app = app_for(pool, callers)
+    app = app_for(pool)
     c = app.test_client()
-    assert ask(c, "bob").status_code == 200  # a is loaded
+    ann, bob = caller(c, "ann", concurrent=2), caller(c, "bob")
+    assert ask(c, bob).status_code == 200  # a is loaded
     faults(c, hold={"a": True})
     conc = keys.quota_concurrent("user", "ann")
-    held = [in_thread(lambda: ask(app.test_client(), "ann")) for _ in range(2)]
+    held = [in_thread(lambda: ask(app.test_client(), ann)) for _ in range(2)]
     pool.wait_for(lambda: pool.r.zcard(conc) == 2, what="two of ann's requests in flight")
-    msg = refused(ask(c, "ann"), "2 concurrent requests")
-    assert msg.startswith("user 'ann' reached its quota of 2 concurrent requests; retry in ")
+    # Many at once beside them: every one refused, none takes a place.
+    for resp in at_once(8, lambda i: ask(app.test_client(), ann)):
+        msg = refused(resp, "2 concurrent requests")
+        assert msg.startswith("user 'ann' reached its quota of 2 concurrent requests; retry in ")
     assert pool.r.zcard(conc) == 2
-    # A stream whose client goes away gives its place back too.
     faults(c, hold={"a": False})
     for t, out in held:
         t.join(60)
@@ -257,86 +304,139 @@ def test_concurrent_quota_with_held_requests(start_pool: Callable[..., Pool]) ->
     stream = c.post(
         "/v1/chat/completions",
         json={"model": "a", "messages": MESSAGES, "max_tokens": 4, "stream": True},
-        headers={"x-test-caller": "ann"},
+        headers=ann.headers,
         buffered=False,
     )
     assert pool.r.zcard(conc) == 1
-    other = in_thread(lambda: ask(app.test_client(), "ann"))
+    other = in_thread(lambda: ask(app.test_client(), ann))
     pool.wait_for(lambda: pool.r.zcard(conc) == 2, what="a stream and a request in flight")
-    refused(ask(c, "ann"), "concurrent")
-    stream.close()  # the client leaves
+    refused(ask(c, ann), "concurrent")
+    stream.close()  # the client leaves: its stream gives its place back
     assert pool.r.zcard(conc) == 1
     faults(c, hold={"a": False})
     other[0].join(60)
     assert other[1][0].status_code == 200
-    assert ask(c, "ann").status_code == 200
+    assert ask(c, ann).status_code == 200
     assert pool.r.zcard(conc) == 0
+
+
+def test_twenty_requests_at_once_spend_at_most_one_request_over_the_tokens_per_day(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """Admissions reserve what they may use: 20 at once against a quota of 100 tokens (each
+    may use its prompt and 8 tokens) cannot all pass while none has finished, and the day ends
+    at most one request's reservation over the quota. The model is held while they arrive, so
+    no request finishes (and charges) before every one of them was admitted or refused."""
+    limit, max_tokens = 100, 8
+    pool = start_pool(debug={"fault_injection": True}, models=None)
+    apps = [app_for(pool), app_for(pool)]
+    c = apps[0].test_client()
+    ann = caller(c, "ann", tokens_per_day=limit)
+    assert ask(c, caller(c, "bob"), max_tokens=1).status_code == 200  # a is loaded
+    faults(c, hold={"a": True})
+    one_max = quota.reservation({"messages": MESSAGES}, max_tokens)
+    answers: list[Any] = []
+
+    def in_flight() -> int:
+        return int(pool.r.llen(keys.queue("a")) + pool.r.llen(keys.processing("a")))
+
+    def one(i: int) -> Any:
+        resp = ask(apps[i % 2].test_client(), ann, max_tokens=max_tokens)
+        answers.append(resp)
+        return resp
+
+    burst = in_thread(lambda: at_once(20, one))
+    pool.wait_for(
+        lambda: len(answers) + in_flight() == 20, what="every request admitted or refused"
+    )
+    admitted = in_flight()
+    # Admitted while the charged tokens and the reservations were below the quota.
+    assert admitted == -(-limit // one_max), (admitted, one_max)
+    for resp in answers:
+        msg = refused(resp, "tokens per day")
+        assert "reserved by them" in msg and "retry in" in msg, msg
+    faults(c, hold={"a": False})
+    burst[0].join(120)
+    results = burst[1][0]
+    served = [x.get_json()["usage"]["total_tokens"] for x in results if x.status_code == 200]
+    assert len(served) == admitted
+    # Then one at a time until the quota refuses for the day.
+    while True:
+        resp = ask(c, ann, max_tokens=max_tokens)
+        if resp.status_code != 200:
+            break
+        served.append(resp.get_json()["usage"]["total_tokens"])
+    assert "resets at 00:00 UTC" in refused(resp, "tokens per day")
+    day = keys.quota_day(today())
+    charged = int(pool.r.hget(day, keys.quota_field("tokens", "user", "ann")))
+    assert charged == sum(served)
+    assert limit <= charged <= limit + one_max
+    # Every reservation was given back.
+    assert pool.r.hget(day, keys.quota_field("reserved", "user", "ann")) is None
+    assert not [f for f in pool.r.hkeys(day) if f.startswith("hold|")]
 
 
 def test_tokens_per_day_refuses_once_the_days_tokens_are_used(
     start_pool: Callable[..., Pool],
 ) -> None:
     pool = start_pool()
-    callers = {
-        "ann": user("ann", tokens_per_day=30),
-        "ann-k": user("ann", key="k1", key_quotas=Quotas(tokens_per_day=1000), tokens_per_day=30),
-    }
-    c = app_for(pool, callers).test_client()
+    c = app_for(pool).test_client()
+    ann = caller(c, "ann", tokens_per_day=30)
+    ann_k = caller(c, "ann", key_quotas={"tokens_per_day": 1000})
     used = 0
     while used < 30:
-        resp = ask(c, "ann", max_tokens=8)
+        resp = ask(c, ann, max_tokens=8)
         assert resp.status_code == 200, resp.get_json()
         used += resp.get_json()["usage"]["total_tokens"]
-    msg = refused(ask(c, "ann"), "tokens per day")
+    msg = refused(ask(c, ann), "tokens per day")
     assert msg.startswith(f"user 'ann' reached its quota of 30 tokens per day ({used} used today)")
     assert int(pool.r.hget(keys.quota_day(today()), keys.quota_field("tokens", "user", "ann"))) == (
         used
     )
     # Through a key with a quota of its own (unused), the user's quota still applies.
-    msg = refused(ask(c, "ann-k"), "tokens per day")
+    msg = refused(ask(c, ann_k), "tokens per day")
     assert msg.startswith("user 'ann' reached its quota of 30 tokens per day")
 
 
 def test_key_tokens_are_counted_per_key(start_pool: Callable[..., Pool]) -> None:
     pool = start_pool()
-    callers = {"k": user("cy", key="k2", key_quotas=Quotas(tokens_per_day=5))}
-    c = app_for(pool, callers).test_client()
-    resp = ask(c, "k", max_tokens=8)
+    c = app_for(pool).test_client()
+    k = caller(c, "cy", key_quotas={"tokens_per_day": 5})
+    resp = ask(c, k, max_tokens=8)
     assert resp.status_code == 200
     spent = resp.get_json()["usage"]["total_tokens"]
     assert spent >= 5
     day = keys.quota_day(today())
-    assert int(pool.r.hget(day, keys.quota_field("tokens", "key", "k2"))) == spent
+    assert int(pool.r.hget(day, keys.quota_field("tokens", "key", k.key_id))) == spent
     assert int(pool.r.hget(day, keys.quota_field("tokens", "user", "cy"))) == spent
-    msg = refused(ask(c, "k"), "tokens per day")
-    assert msg.startswith("API key 'k2' of user 'cy' reached its quota of 5 tokens per day")
+    msg = refused(ask(c, k), "tokens per day")
+    assert msg.startswith(f"API key '{k.key_id}' of user 'cy' reached its quota of 5 tokens")
+    # Another key of the same user has a day of its own.
+    assert ask(c, caller(c, "cy"), max_tokens=2).status_code == 200
 
 
 def test_load_seconds_are_charged_to_the_causing_user_and_refuse_only_loads(
     start_pool: Callable[..., Pool],
 ) -> None:
     pool = start_pool(pool={"max_loaded_models": 1})
-    callers = {
-        "ann": user("ann", load_seconds_per_day=0.0001),
-        "bob": user("bob"),
-    }
-    c = app_for(pool, callers).test_client()
-    assert ask(c, "ann", "a").status_code == 200  # within its quota (nothing used): loads a
+    c = app_for(pool).test_client()
+    ann, bob = caller(c, "ann", load_seconds_per_day=0.0001), caller(c, "bob")
+    assert ask(c, ann, "a").status_code == 200  # within its quota (nothing used): loads a
     day = keys.quota_day(today())
     charged = float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "ann")) or 0)
     load_a = float(pool.r.hget(keys.model("a"), "load_seconds") or 0)
     assert charged > 0 and charged == pytest.approx(load_a, abs=1e-3)
     assert usage_of_float(pool.r, "ann", "a", "load_seconds") == pytest.approx(charged, abs=1e-9)
     # Loaded: ann's requests for it pass; a cold one would load: refused, and nothing queued.
-    assert ask(c, "ann", "a").status_code == 200
-    msg = refused(ask(c, "ann", "b"), "load-seconds per day")
+    assert ask(c, ann, "a").status_code == 200
+    msg = refused(ask(c, ann, "b"), "load-seconds per day")
     assert "model 'b' is not loaded (it is unloaded)" in msg
     assert pool.r.llen(keys.queue("b")) == 0 and pool.state("b") == "unloaded"
     # Bob's request loads b: charged to bob, not ann; then ann may use b.
-    assert ask(c, "bob", "b").status_code == 200
+    assert ask(c, bob, "b").status_code == 200
     assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "bob")) or 0) > 0
     assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "ann"))) == charged
-    assert ask(c, "ann", "b").status_code == 200
+    assert ask(c, ann, "b").status_code == 200
 
 
 def usage_of_float(r: redis.Redis, user_: str, model: str, counter: str) -> float:
@@ -348,14 +448,14 @@ def usage_of_float(r: redis.Redis, user_: str, model: str, counter: str) -> floa
 
 def test_admin_usage_totals_equal_the_responses_usage(start_pool: Callable[..., Pool]) -> None:
     pool = start_pool()
-    callers = {"ann": user("ann"), "bob": user("bob")}
-    c = app_for(pool, callers).test_client()
+    c = app_for(pool).test_client()
+    who = {"ann": caller(c, "ann"), "bob": caller(c, "bob")}
     sums: dict[tuple[str, str], list[int]] = {}
-    for caller, model, n in (("ann", "a", 3), ("ann", "a", 6), ("bob", "a", 5), ("ann", "b", 4)):
-        resp = ask(c, caller, model, max_tokens=n)
+    for name, model, n in (("ann", "a", 3), ("ann", "a", 6), ("bob", "a", 5), ("ann", "b", 4)):
+        resp = ask(c, who[name], model, max_tokens=n)
         assert resp.status_code == 200
         u = resp.get_json()["usage"]
-        s = sums.setdefault((caller, model), [0, 0, 0])
+        s = sums.setdefault((name, model), [0, 0, 0])
         s[0] += 1
         s[1] += u["prompt_tokens"]
         s[2] += u["completion_tokens"]
@@ -396,8 +496,8 @@ def test_admin_usage_totals_equal_the_responses_usage(start_pool: Callable[..., 
 
 def test_per_user_metrics_only_when_configured(start_pool: Callable[..., Pool]) -> None:
     pool = start_pool()
-    c = app_for(pool, {"ann": user("ann")}).test_client()
-    resp = ask(c, "ann", max_tokens=3)
+    c = app_for(pool).test_client()
+    resp = ask(c, caller(c, "ann"), max_tokens=3)
     assert resp.status_code == 200
     u = resp.get_json()["usage"]
     text = c.get("/metrics").get_data(as_text=True)
@@ -419,8 +519,8 @@ def test_usage_command_prints_the_report_as_a_table(
     from tests.integration.test_bounded_work import http_server
 
     pool = start_pool()
-    c = app_for(pool, {"ann": user("ann")}).test_client()
-    resp = ask(c, "ann", max_tokens=5)
+    c = app_for(pool).test_client()
+    resp = ask(c, caller(c, "ann"), max_tokens=5)
     assert resp.status_code == 200
     u = resp.get_json()["usage"]
     monkeypatch.setenv("RESIDENCY_ADMIN_KEY", "test-admin-key")
@@ -440,3 +540,42 @@ def test_usage_command_prints_the_report_as_a_table(
         ]
         assert cli.main(["usage", "--url", url, "--from", "someday", *args]) == 1
         assert "'from' must be a date" in capsys.readouterr().err
+
+
+# --- routing helpers run for admitted requests only, as their caller's --------------------------
+
+
+def test_a_router_generates_only_for_an_admitted_caller_and_is_charged_to_it(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """A policy with an LLM router: the router's generation is part of the request, so a caller
+    refused 429 makes it generate nothing (however many retries at once), and what it
+    generates counts under the caller's user and key."""
+    pool = start_pool()
+    c = app_for(pool).test_client()
+    router = {"type": "llm", "model": "c", "prompt": "Pick a model.", "max_tokens": 8}
+    spec = {"candidates": ["a", "b"], "default": "a", "router": router}
+    assert c.put("/admin/policies/judge", json=spec, headers=ADMIN).status_code == 201
+    ann = caller(c, "ann", requests_per_minute=2)
+    for _ in range(2):
+        resp = ask(c, ann, "judge")
+        assert resp.status_code == 200, resp.get_json()
+        assert resp.headers["x-residency-route"] == "judge:default:a"
+
+    def helper_requests() -> int:
+        day = pool.r.hgetall(keys.usage(today()))
+        return sum(int(v) for f, v in day.items() if f.endswith("|c|requests"))
+
+    assert helper_requests() == 2 and usage_of_float(pool.r, "ann", "c", "requests") == 2
+    for resp in at_once(6, lambda i: ask(app_for(pool).test_client(), ann, "judge")):
+        refused(resp, "2 requests per minute")
+    assert helper_requests() == 2  # no router generation for a refused caller
+    # The router's tokens are the caller's: its user's and its key's.
+    spent = sum(
+        usage_of_float(pool.r, "ann", m, k)
+        for m in ("a", "c")
+        for k in ("prompt_tokens", "completion_tokens")
+    )
+    assert usage_of_float(pool.r, "ann", "c", "prompt_tokens") > 0
+    day = keys.quota_day(today())
+    assert int(pool.r.hget(day, keys.quota_field("tokens", "key", ann.key_id)) or 0) == spent
