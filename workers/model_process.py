@@ -26,7 +26,7 @@ from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
 from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
-from residency.settings import ModelSpec
+from residency.settings import ModelSpec, WorkerSettings
 from residency.states import ModelState
 from residency.work import add_reply
 from workers import memory
@@ -49,6 +49,8 @@ RENEW_TTL_S = keys.REPLY_TTL_S / 4
 OWNERSHIP_CHECK_S = 1.0
 FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
 SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
+# For a load command that carries none (written by an older coordinator).
+GRAMMAR_BUDGET_S = float(WorkerSettings.model_fields["grammar_budget_s"].default)
 
 
 class ModelProcess:
@@ -652,9 +654,13 @@ def retry_while_down(what: str, fn: Callable[[], T], stop: threading.Event) -> T
 
 
 def build_runtime(
-    r: redis.Redis, model: str, fault_injection: bool, stop: threading.Event
+    r: redis.Redis,
+    model: str,
+    fault_injection: bool,
+    stop: threading.Event,
+    grammar_budget_s: float = 0.0,
 ) -> Runtime:
-    rt: Runtime = LlamaRuntime()
+    rt: Runtime = LlamaRuntime(grammar_budget_s=grammar_budget_s)
     return FaultyRuntime(rt, r, model, stop) if fault_injection else rt
 
 
@@ -719,7 +725,13 @@ def main(argv: list[str] | None = None) -> int:
         token=cmd["token"],
         device=cmd["device"],
         spec=spec,
-        runtime=build_runtime(r, cmd["model"], bool(cmd.get("fault_injection")), stop),
+        runtime=build_runtime(
+            r,
+            cmd["model"],
+            bool(cmd.get("fault_injection")),
+            stop,
+            float(cmd.get("grammar_budget_s", GRAMMAR_BUDGET_S)),
+        ),
         stop=stop,
         limits_generation=int(cmd.get("limits_generation", 0)),
         model_dirs=cmd.get("model_dirs"),
