@@ -10,11 +10,12 @@ run joins the batch at the next step.
 A request with a grammar (a JSON schema, a forced tool call) is sampled in llama.cpp's own
 order (``common_sampler_sample``): the chain draws from the whole vocabulary without the
 grammar, the grammar checks that one token, and only when it refuses is the grammar applied to
-the whole vocabulary and the chain drawn again. Checking one token costs what accepting it
-does; applying the grammar costs that for every token of the vocabulary, which is what an
-ambiguous grammar makes slow. The grammar work of each request is timed on this thread, and
-a request past ``grammar_budget_s`` of it ends with ``GrammarBudgetExceeded`` (its client's
-error) while the others go on: whatever a schema costs, it costs its own request.
+the whole vocabulary and the chain drawn again. The check skips the grammar's work per
+vocabulary token, most of its cost on a large vocabulary. An ambiguous grammar's cost is in
+its many parse stacks instead, paid by a check as by an application: so the grammar work of
+each request is timed on this thread (its CPU time), and a request past
+``grammar_budget_s`` of it ends with ``GrammarBudgetExceeded`` (its client's error) while the
+others go on: whatever a schema costs, it costs its own request.
 
 Requests arrive as ``Job``s from the threads that serve them; tokens go back on each job's own
 queue. Turning tokens into text (stop strings, UTF-8) is the serving thread's work
@@ -384,7 +385,9 @@ class Engine:
         llama.cpp, and with it every request of the process)."""
         b, sampler = self._b, job.sampler
         token = b.draw(sampler, idx, False)
-        t0 = time.perf_counter()
+        # The engine thread's CPU time: what the grammar took from the other slots, and not
+        # what the OS gave other processes meanwhile (a loaded box ends no request for that).
+        t0 = time.thread_time()
         try:
             if token is None or not b.allows(sampler, token):
                 job.grammar_applied += 1
@@ -393,7 +396,7 @@ class Engine:
                     return None
             b.accept(sampler, token)
         finally:
-            job.grammar_s += time.perf_counter() - t0
+            job.grammar_s += time.thread_time() - t0
         return token
 
     def _token(self, idx: int, token: int, n_probs: int | None) -> Token:
