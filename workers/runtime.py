@@ -196,6 +196,10 @@ class LlamaSampling:
             llama_cpp.llama_sampler_free(self.grammar)
             self.grammar = None
 
+    def __del__(self) -> None:
+        # A job failed before the engine took it (a closing engine) is never closed by it.
+        self.close()
+
 
 class LlamaBackend:
     """The engine's view of one llama.cpp context (``workers.engine.Backend``): its batch,
