@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 import requests
 
+from residency.errors import ApiError
 from residency.settings import ModelSpec
 from tests.conftest import Pool, tiny_models
 from tests.integration.test_bounded_work import http_server
-from workers.engine import Backend
+from workers.engine import Backend, End, Job, Sampling, Token
 from workers.runtime import LlamaRuntime
 
 # Token ids of the tiny vocabulary (residency.tinymodel): its byte tokens and their
@@ -38,6 +39,7 @@ EOS = "4"
 BUDGET_S = 0.02
 # Within the bound (16 x 16 = 256) but ambiguous: every a can end an inner or an outer repeat.
 COSTLY = "^(a{0,16}){0,16}$"
+WAIT_S = 120.0  # bounds a broken test only
 
 
 def bias(up: tuple[str, ...] = (), down: tuple[str, ...] = ()) -> dict[str, int]:
@@ -113,6 +115,45 @@ def test_tokens_the_grammar_allows_are_taken_without_applying_it_to_the_vocabula
     # Logprobs are the model's own (raw logits), whichever way the token was chosen.
     content = out["choices"][0]["logprobs"]["content"]
     assert len(content) == n and all(t["logprob"] <= 0 for t in content)
+
+
+def test_on_llama_cpp_the_slot_beside_a_costly_grammar_gets_a_token_every_step(
+    models_dir: Path,
+) -> None:
+    rt = LlamaRuntime(grammar_budget_s=BUDGET_S)
+    rt.load(ModelSpec(path=str(models_dir / "tiny0.gguf"), n_ctx=1024, parallel=2), "cpu")
+    try:
+        prompt = rt.llm.tokenize(b"a victim", add_bos=True, special=True)
+        victim = rt.engine.submit(Job(prompt, 400, Sampling(temperature=0, logit_bias={4: -100})))
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.extend(drain(victim)), daemon=True)
+        t.start()
+        body = costly_request(stream=False)
+        params = {k: body[k] for k in ("messages", "max_tokens", "temperature", "logit_bias")}
+        params["response_format"] = {"type": "json_object", "schema": string_schema(COSTLY)}
+        with pytest.raises(ApiError) as e:
+            rt.chat(params, False)
+        # It ended on its budget (after tens of tokens; the victim has 400 to generate).
+        assert e.value.code == "grammar_budget_exceeded"
+        assert e.value.param == "response_format"
+        t.join(WAIT_S)
+        steps = rt.engine.steps
+    finally:
+        rt.close()
+    *tokens, end = got
+    assert end == End("length") and len(tokens) == 400
+    # The victim was in every step the engine took, the costly request's included, and got a
+    # token in each: the costly grammar took no step from it.
+    assert steps == 400
+
+
+def drain(job: Job) -> list[Token | End]:
+    out: list[Token | End] = []
+    while True:
+        item = job.next()
+        out.append(item)
+        if isinstance(item, End):
+            return out
 
 
 @pytest.fixture
