@@ -3,6 +3,8 @@
 * the engine samples first and checks the token against the grammar, applying the grammar to
   the whole vocabulary only when it refuses the token (counted by a wrapper around the real
   backend, same interface);
+* beside a request whose grammar is costly, another request gets a token in every engine step
+  while the costly one ends on its budget;
 * through the HTTP API, a schema whose pattern is costly to enforce (within the validation
   bound) ends alone with ``grammar_budget_exceeded`` while another client's requests on the
   same model (two slots) get all their tokens and a valid JSON answer;
