@@ -146,6 +146,7 @@ class Effects:
             "device": a.device,
             "spec": entry.spec.model_dump(),
             "fault_injection": s.debug.fault_injection,
+            "grammar_budget_s": s.worker.grammar_budget_s,
             "model_dirs": registry.load_dirs(entry, self.models_dir, s),
             "limits_generation": self.limits_generation,
         }

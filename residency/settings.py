@@ -200,6 +200,15 @@ class WorkerSettings(_Strict):
         ge=0,
         le=86400,
     )
+    grammar_budget_s: float = _key(
+        10.0,
+        NEXT_LOAD,
+        "seconds of sampling work a request's grammar (JSON schema, forced tool call) may take "
+        "on its model's engine thread; past it that request alone ends with 400 "
+        "grammar_budget_exceeded; 0 = unbounded",
+        ge=0,
+        le=3600,
+    )
     forget_after_s: float = _key(
         600.0,
         LIVE,

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from residency.errors import ApiError, bad_request
+from residency.tool_schema import call_schema
 from web.grammar_schema import unsupported
+from web.pattern_cost import nesting
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -54,6 +56,10 @@ _SCHEMA_COUNTS = (
     "maxContains",
 )
 _PATTERN_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+#: Largest product of a pattern's repeats nested inside each other (``web.pattern_cost``):
+#: nested, they multiply the places llama.cpp's grammar parser tracks at once, so together
+#: they may not exceed what one flat repeat may be.
+MAX_PATTERN_NESTING = MAX_SCHEMA_REPEAT
 #: Integers llama.cpp takes as C ints (max_tokens) or int64 (seed).
 MAX_INT32 = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -159,8 +165,23 @@ def check_schema(param: str, schema: dict[str, Any]) -> None:
                         # Length first: int() refuses strings of thousands of digits.
                         if g and (len(g) > 9 or int(g) > MAX_SCHEMA_REPEAT):
                             raise _too_many_repeats(here, g[:12])
+                _pattern_nesting(here, v)
             if isinstance(v, dict | list):
                 stack.append((here, v))
+
+
+def _pattern_nesting(param: str, pattern: str) -> None:
+    body = pattern.removeprefix("^").removesuffix("$")
+    product = nesting(body, MAX_PATTERN_NESTING)
+    if product > MAX_PATTERN_NESTING:
+        raise bad_request(
+            f"'{param}' nests repeats inside repeats that multiply to more than "
+            f"{MAX_PATTERN_NESTING} (e.g. (x{{0,100}}){{0,100}} is 10000); llama.cpp's grammar "
+            "would track every way of splitting the text between them on every token. "
+            "Flatten the pattern, or bound the string with maxLength instead",
+            param,
+            "schema_too_large",
+        )
 
 
 def check_enforceable(param: str, schema: dict[str, Any]) -> None:
@@ -441,7 +462,22 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     if choice == "required":
         for i in range(len(params.get("tools", []))):
             _enforced_parameters(params["tools"], i)
+        _required_union(params.get("tools", []))
     params["tool_choice"] = choice
+
+
+def _required_union(tools: list[dict[str, Any]]) -> None:
+    """``tool_choice: "required"`` is enforced by one grammar over every tool (an ``anyOf`` of
+    their calls): that union is one schema, held to the size one schema may have."""
+    size = len(json.dumps(call_schema(tools), separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise bad_request(
+            f"'tool_choice': 'required' makes one grammar of the {len(tools)} tools' calls, "
+            f"{size} bytes of JSON schema; at most {MAX_SCHEMA_BYTES} are supported. Send "
+            "fewer or smaller tools, or name one function in 'tool_choice'",
+            "tool_choice",
+            "schema_too_large",
+        )
 
 
 def _enforced_parameters(tools: list[dict[str, Any]], i: int) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from residency.errors import ApiError
+from residency.tool_schema import call_schema, parameters
 
 TEMPLATE = "template"
 HANDLER = "handler"
@@ -83,30 +84,6 @@ class Plan:
     names: list[str] = field(default_factory=list)
 
 
-def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
-    params = tool["function"].get("parameters")
-    return params if isinstance(params, dict) else {"type": "object", "properties": {}}
-
-
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """A JSON schema for one call to any of ``tools``, in the bare-object form the parser
-    reads: ``{"name": ..., "arguments": {...}}``."""
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t["function"]["name"]},
-                    "arguments": _parameters(t),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
-    }
-
-
 def plan(params: dict[str, Any], how: str | None, chat_format: str | None, stream: bool) -> Plan:
     tools = params.get("tools")
     choice = params.get("tool_choice")
@@ -129,7 +106,7 @@ def plan(params: dict[str, Any], how: str | None, chat_format: str | None, strea
     if isinstance(choice, dict):
         i = names.index(choice["function"]["name"])
         path = f"tools[{i}].function.parameters"
-        return Plan(params, forced=(path, _parameters(tools[i])), normalize=stream, names=names)
+        return Plan(params, forced=(path, parameters(tools[i])), normalize=stream, names=names)
     if choice == "required":
         if params.get("response_format") is not None:
             raise ApiError(

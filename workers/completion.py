@@ -268,11 +268,15 @@ def create(
         max_tokens = room
     stop_token = None
     if stopping_criteria is not None:
+        # llama-cpp-python's chat formats make these from their stop token ids, and read only
+        # the last token of ``input_ids``: they get that one, not a copy of the context per
+        # token (one array, refilled).
+        last = np.zeros(1, dtype=np.intc)
+        no_logits = np.empty(0, dtype=np.single)
 
-        def stop_token(ids: list[int]) -> bool:
-            return bool(
-                stopping_criteria(np.asarray(ids, dtype=np.intc), np.empty(0, dtype=np.single))
-            )
+        def stop_token(token: int) -> bool:
+            last[0] = token
+            return bool(stopping_criteria(last, no_logits))
 
     chain = Sampling(
         logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()}, **sampling

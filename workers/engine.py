@@ -4,8 +4,18 @@ One thread owns the llama.cpp context. Each step it builds one batch: the last s
 every generating slot, then as many prompt tokens of prefilling slots as the batch has room for
 (a long prompt is prefilled in chunks, so the other streams keep getting a token per step),
 calls ``llama_decode`` once, and samples a token for every slot whose logits it asked for, each
-with its own sampler chain (penalties, grammar, temperature…, seed). A request submitted while
-others run joins the batch at the next step.
+with its own sampler chain (penalties, temperature…, seed). A request submitted while others
+run joins the batch at the next step.
+
+A request with a grammar (a JSON schema, a forced tool call) is sampled in llama.cpp's own
+order (``common_sampler_sample``): the chain draws from the whole vocabulary without the
+grammar, the grammar checks that one token, and only when it refuses is the grammar applied to
+the whole vocabulary and the chain drawn again. The check skips the grammar's work per
+vocabulary token, most of its cost on a large vocabulary. An ambiguous grammar's cost is in
+its many parse stacks instead, paid by a check as by an application: so the grammar work of
+each request is timed on this thread (its CPU time), and a request past
+``grammar_budget_s`` of it ends with ``GrammarBudgetExceeded`` (its client's error) while the
+others go on: whatever a schema costs, it costs its own request.
 
 Requests arrive as ``Job``s from the threads that serve them; tokens go back on each job's own
 queue. Turning tokens into text (stop strings, UTF-8) is the serving thread's work
@@ -61,7 +71,12 @@ class Sampler(Protocol):
 
 
 class Backend(Protocol):
-    """One llama.cpp context of ``n_slots`` sequences, as the engine thread uses it."""
+    """One llama.cpp context of ``n_slots`` sequences, as the engine thread uses it.
+
+    A sampler holds a request's chain and, apart from it, its grammar (``Sampling.grammar``).
+    ``sample`` draws from the chain and accepts the token (a request without a grammar);
+    with a grammar the engine calls ``draw``, ``allows`` and ``accept`` in llama.cpp's order.
+    """
 
     n_vocab: int
 
@@ -69,6 +84,12 @@ class Backend(Protocol):
     def add(self, token: int, pos: int, seq: int, logits: bool) -> None: ...
     def decode(self) -> int: ...  # the batch added since the last decode; 0 when it worked
     def sample(self, sampler: Sampler, idx: int) -> int: ...
+    # The chain's token for batch index idx, after the grammar applied to the whole vocabulary
+    # when ``grammar`` (None: the grammar refused every token the chain could draw); accepts
+    # nothing.
+    def draw(self, sampler: Sampler, idx: int, grammar: bool) -> int | None: ...
+    def allows(self, sampler: Sampler, token: int) -> bool: ...  # the grammar, on one token
+    def accept(self, sampler: Sampler, token: int) -> None: ...  # into the grammar and chain
     def logits(self, idx: int) -> np.ndarray: ...  # of the last decode's batch index idx
     def is_eog(self, token: int) -> bool: ...
     def seq_rm(self, seq: int, p0: int) -> bool: ...  # drop positions p0.. (-1: all)
@@ -88,10 +109,24 @@ class End:
     reason: str  # "stop": an end-of-generation token; "length": max_tokens or the context
 
 
+class GrammarBudgetExceeded(RuntimeError):
+    """A request's grammar took more of the engine thread than ``grammar_budget_s``."""
+
+    def __init__(self, spent_s: float, budget_s: float, tokens: int) -> None:
+        super().__init__(
+            f"the grammar took {spent_s:.2f}s of sampling work after {tokens} tokens, past the "
+            f"{budget_s:g}s a request may use"
+        )
+        self.spent_s = spent_s
+        self.budget_s = budget_s
+        self.tokens = tokens
+
+
 class Job:
     """One request on its way through the engine. ``n_probs`` is None without logprobs, else
     how many alternatives to report per token. ``stop_token`` may end the generation at a
-    token (a chat format's own stop token) before it is handed out. ``asker`` says whose
+    token (a chat format's own stop token) before it is handed out: it is given that token
+    only (not the context: the check runs on every token of every slot). ``asker`` says whose
     cached prefixes it may reuse (``workers.slots.reusable``). ``on_progress`` is called on
     the engine thread after every step its slot took part in — a prompt chunk or a token — so
     a long prefill counts as progress for the stall watchdog; it must only note the step."""
@@ -102,7 +137,7 @@ class Job:
         max_tokens: int,
         sampling: Sampling,
         n_probs: int | None = None,
-        stop_token: Callable[[list[int]], bool] | None = None,
+        stop_token: Callable[[int], bool] | None = None,
         *,
         asker: Asker | None = None,
         on_progress: Callable[[], None] | None = None,
@@ -118,6 +153,10 @@ class Job:
         self.on_progress = on_progress
         self.cached = 0  # prompt tokens reused from its slot's memory (set when it gets one)
         self.sampler: Any = None  # built by Engine.submit
+        # Its grammar's work on the engine thread: seconds, and how often the grammar was
+        # applied to the whole vocabulary (the sampled token refused).
+        self.grammar_s = 0.0
+        self.grammar_applied = 0
         self._out: queue.SimpleQueue[Token | End | BaseException] = queue.SimpleQueue()
         self._cancelled = threading.Event()
 
@@ -173,10 +212,19 @@ class EngineDied(EngineClosed):
 
 class Engine:
     """Runs ``backend``'s context of ``n_slots`` sequences of ``n_ctx_slot`` tokens each;
-    ``n_batch`` bounds the tokens of one step."""
+    ``n_batch`` bounds the tokens of one step; ``grammar_budget_s`` the grammar work of one
+    request (0: unbounded)."""
 
-    def __init__(self, backend: Backend, n_slots: int, n_ctx_slot: int, n_batch: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        n_slots: int,
+        n_ctx_slot: int,
+        n_batch: int,
+        grammar_budget_s: float = 0.0,
+    ) -> None:
         self._b = backend
+        self.grammar_budget_s = grammar_budget_s
         self.n_vocab = backend.n_vocab
         self.n_ctx_slot = n_ctx_slot
         # Every generating slot needs a place in each step's batch, beside prompt chunks.
@@ -345,12 +393,21 @@ class Engine:
     def _sampled(self, s: Slot, idx: int) -> None:
         job = s.job
         assert job is not None
-        token = self._b.sample(job.sampler, idx)
+        if job.sampling.grammar is None:
+            token = self._b.sample(job.sampler, idx)
+        else:
+            chosen = self._constrained(job, idx)
+            if chosen is None:
+                self._finish(s, RuntimeError("the grammar admits no token the sampler can draw"))
+                return
+            budget = self.grammar_budget_s
+            if budget > 0 and job.grammar_s > budget:
+                self._finish(s, GrammarBudgetExceeded(job.grammar_s, budget, s.generated))
+                return
+            token = chosen
         if s.state is SlotState.PREFILL:
             s.move(SlotState.GENERATE)
-        if self._b.is_eog(token) or (
-            job.stop_token is not None and job.stop_token([*s.cached, token])
-        ):
+        if self._b.is_eog(token) or (job.stop_token is not None and job.stop_token(token)):
             self._finish(s, End("stop"))
             return
         job.put(self._token(idx, token, job.n_probs))
@@ -359,7 +416,30 @@ class Engine:
         if s.generated >= job.max_tokens or len(s.cached) + 1 >= self.n_ctx_slot:
             self._finish(s, End("length"))
 
+    def _constrained(self, job: Job, idx: int) -> int | None:
+        """The token of a request with a grammar (see the module's docstring), accepted into
+        its grammar and chain; the grammar's part is added to ``job.grammar_s``. None: the
+        grammar left no token the chain could draw (accepting one it refuses would abort
+        llama.cpp, and with it every request of the process)."""
+        b, sampler = self._b, job.sampler
+        token = b.draw(sampler, idx, False)
+        # The engine thread's CPU time: what the grammar took from the other slots, and not
+        # what the OS gave other processes meanwhile (a loaded box ends no request for that).
+        t0 = time.thread_time()
+        try:
+            if token is None or not b.allows(sampler, token):
+                job.grammar_applied += 1
+                token = b.draw(sampler, idx, True)
+                if token is None:
+                    return None
+            b.accept(sampler, token)
+        finally:
+            job.grammar_s += time.thread_time() - t0
+        return token
+
     def _token(self, idx: int, token: int, n_probs: int | None) -> Token:
+        # The raw logits' log-softmax: logprobs say what the model made of the token, whether
+        # or not the grammar had to be applied to choose it.
         if n_probs is None:
             return Token(token)
         logits = self._b.logits(idx).astype(np.float64)

@@ -26,7 +26,7 @@ from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
 from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
-from residency.settings import ModelSpec
+from residency.settings import ModelSpec, WorkerSettings
 from residency.states import ModelState
 from workers import memory
 from workers.completion import REPORT, CacheUse, OnUsage
@@ -49,6 +49,8 @@ RENEW_TTL_S = keys.REPLY_TTL_S / 4
 OWNERSHIP_CHECK_S = 1.0
 FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
 SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
+# For a load command that carries none (written by an older coordinator).
+GRAMMAR_BUDGET_S = float(WorkerSettings.model_fields["grammar_budget_s"].default)
 
 
 class ModelProcess:
@@ -686,12 +688,18 @@ def retry_while_down(what: str, fn: Callable[[], T], stop: threading.Event) -> T
 
 
 def build_runtime(
-    r: redis.Redis, model: str, fault_injection: bool, stop: threading.Event
+    r: redis.Redis,
+    model: str,
+    fault_injection: bool,
+    stop: threading.Event,
+    grammar_budget_s: float = 0.0,
 ) -> Runtime:
     if not fault_injection:
-        return LlamaRuntime()
+        return LlamaRuntime(grammar_budget_s=grammar_budget_s)
     steps = StepFaults(stop)
-    return FaultyRuntime(LlamaRuntime(wrap=steps.wrap), r, model, stop, steps)
+    return FaultyRuntime(
+        LlamaRuntime(wrap=steps.wrap, grammar_budget_s=grammar_budget_s), r, model, stop, steps
+    )
 
 
 def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | None:
@@ -755,7 +763,13 @@ def main(argv: list[str] | None = None) -> int:
         token=cmd["token"],
         device=cmd["device"],
         spec=spec,
-        runtime=build_runtime(r, cmd["model"], bool(cmd.get("fault_injection")), stop),
+        runtime=build_runtime(
+            r,
+            cmd["model"],
+            bool(cmd.get("fault_injection")),
+            stop,
+            float(cmd.get("grammar_budget_s", GRAMMAR_BUDGET_S)),
+        ),
         stop=stop,
         limits_generation=int(cmd.get("limits_generation", 0)),
         model_dirs=cmd.get("model_dirs"),

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import math
 import random
 import re
 import threading
@@ -22,7 +23,7 @@ from residency.errors import ApiError
 from residency.settings import ModelSpec
 from workers import chat_tools, completion, devices, rerank, toolcalls
 from workers.completion import CacheUse, OnUsage, Pieces
-from workers.engine import Backend, Engine, Sampling
+from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling
 
 #: Tokens the repetition penalties look back over (llama-cpp-python's default).
 PENALTY_LAST_N = 64
@@ -121,10 +122,23 @@ def _client_error(e: ValueError, param: str) -> ApiError | None:
     return None
 
 
+def grammar_budget_error(e: GrammarBudgetExceeded, param: str | None) -> ApiError:
+    """The client's error for a request whose grammar (from ``param``) used its budget: its
+    own schema is the cause, and sending it again costs the same."""
+    return ApiError(
+        400,
+        f"{e}: the JSON schema in '{param or 'grammar'}' is too costly to enforce on this "
+        "model (see [worker] grammar_budget_s); simplify it (patterns with nested repeats "
+        "are the usual cause)",
+        param=param,
+        code="grammar_budget_exceeded",
+    )
+
+
 @contextlib.contextmanager
-def _client_errors(param: str) -> Iterator[None]:
-    """llama.cpp's ValueErrors about the request's input, and a chat template's refusal of
-    its messages, raised as the client's 400."""
+def _client_errors(param: str, grammar_param: str | None = None) -> Iterator[None]:
+    """llama.cpp's ValueErrors about the request's input, a chat template's refusal of its
+    messages, and a grammar past its budget, raised as the client's 400."""
     try:
         yield
     except ValueError as e:
@@ -132,6 +146,8 @@ def _client_errors(param: str) -> Iterator[None]:
         if err is None:
             raise
         raise err from None
+    except GrammarBudgetExceeded as e:
+        raise grammar_budget_error(e, grammar_param) from None
 
 
 def _template_refusal(e: ValueError) -> ApiError | None:
@@ -167,7 +183,7 @@ def _hooked(hooks: Hooks) -> Iterator[None]:
 
 
 def _guarded(
-    chunks: Iterator[dict[str, Any]], param: str, hooks: Hooks
+    chunks: Iterator[dict[str, Any]], param: str, hooks: Hooks, grammar_param: str | None
 ) -> Iterator[dict[str, Any]]:
     """A stream whose every step runs with the request's hooks in place: a chat handler may
     create its completions lazily, inside its stream (functionary does), and they must still
@@ -175,7 +191,7 @@ def _guarded(
     job)."""
     it = iter(chunks)
     try:
-        with _client_errors(param):
+        with _client_errors(param, grammar_param):
             while True:
                 with _hooked(hooks):
                     try:
@@ -240,6 +256,28 @@ def _batched_llama() -> Any:
     return BatchedLlama
 
 
+class LlamaSampling:
+    """One request's samplers: llama-cpp-python's chain, and the grammar apart from it (None
+    without one), so that the engine can check a drawn token before applying the grammar to
+    the whole vocabulary."""
+
+    def __init__(self, chain: Any, grammar: Any) -> None:
+        self.chain = chain
+        self.grammar = grammar
+
+    def close(self) -> None:
+        import llama_cpp
+
+        self.chain.close()
+        if self.grammar is not None:
+            llama_cpp.llama_sampler_free(self.grammar)
+            self.grammar = None
+
+    def __del__(self) -> None:
+        # A job failed before the engine took it (a closing engine) is never closed by it.
+        self.close()
+
+
 class LlamaBackend:
     """The engine's view of one llama.cpp context (``workers.engine.Backend``): its batch,
     decode, samplers, logits and per-sequence memory."""
@@ -257,10 +295,26 @@ class LlamaBackend:
         self.n_vocab = int(llm.n_vocab())
         self._batch = _internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
         self._n = 0
+        # The candidates ``draw`` and ``allows`` hand the samplers, reused (only the engine
+        # thread samples): the whole vocabulary, and one token.
+        td = llama_cpp.llama_token_data
+        self._ids = np.arange(self.n_vocab, dtype=np.intc)
+        self._all = (td * self.n_vocab)()
+        self._all_np = np.ctypeslib.as_array(self._all)
+        self._one = (td * 1)()
+        self._arr = llama_cpp.llama_token_data_array()
 
-    def sampler(self, sp: Sampling) -> Any:
-        """llama-cpp-python's own chain, in its order: bias, penalties, grammar, then greedy
-        (temperature 0), mirostat, or top-k / typical / top-p / min-p / temperature / draw."""
+    def sampler(self, sp: Sampling) -> LlamaSampling:
+        """llama-cpp-python's own chain, in its order: bias, penalties, then greedy
+        (temperature 0), mirostat, or top-k / typical / top-p / min-p / temperature / draw;
+        the grammar is kept apart (``LlamaSampling``)."""
+        grammar = None
+        if sp.grammar is not None:
+            grammar = self._lib.llama_sampler_init_grammar(
+                self._vocab, sp.grammar._grammar.encode("utf-8"), sp.grammar._root.encode("utf-8")
+            )
+            if not grammar:
+                raise ValueError("llama.cpp refused the request's grammar")
         s = self._internals.LlamaSampler()
         seed = sp.seed if sp.seed is not None else random.getrandbits(32)
         if sp.logit_bias:
@@ -272,8 +326,6 @@ class LlamaBackend:
             penalty_freq=sp.frequency_penalty,
             penalty_present=sp.presence_penalty,
         )
-        if sp.grammar is not None:
-            s.add_grammar(self._llm._model, sp.grammar)
         if sp.temperature < 0:
             s.add_dist(seed)
         elif sp.temperature == 0:
@@ -289,7 +341,7 @@ class LlamaBackend:
             s.add_min_p(sp.min_p, 1)
             s.add_temp(sp.temperature)
             s.add_dist(seed)
-        return s
+        return LlamaSampling(s, grammar)
 
     def add(self, token: int, pos: int, seq: int, logits: bool) -> None:
         b, n = self._batch.batch, self._n
@@ -305,7 +357,48 @@ class LlamaBackend:
         return int(self._lib.llama_decode(self._ctx.ctx, self._batch.batch))
 
     def sample(self, sampler: Any, idx: int) -> int:
-        return int(sampler.sample(self._ctx, idx))
+        return int(sampler.chain.sample(self._ctx, idx))
+
+    def _candidates(self, data: Any, size: int) -> Any:
+        # Set whole each time: a sampler may move the data pointer, and sorts and cuts it.
+        arr: Any = self._arr
+        arr.data = ctypes.cast(data, ctypes.POINTER(self._lib.llama_token_data))
+        arr.size = size
+        arr.selected = -1
+        arr.sorted = False
+        return ctypes.byref(arr)
+
+    def draw(self, sampler: Any, idx: int, grammar: bool) -> int | None:
+        cand = self._all_np
+        cand["id"] = self._ids
+        cand["logit"] = self.logits(idx)
+        cand["p"] = 0.0
+        ref = self._candidates(self._all, self.n_vocab)
+        if grammar and sampler.grammar is not None:
+            self._lib.llama_sampler_apply(sampler.grammar, ref)
+        self._lib.llama_sampler_apply(sampler.chain.sampler, ref)
+        arr = self._arr
+        if not 0 <= arr.selected < arr.size:
+            raise RuntimeError("the sampler chain selected no token")
+        chosen = arr.data[arr.selected]
+        # What the grammar refused stays at -inf through the chain (it only shifts, scales
+        # and cuts): checking it here saves a second pass of the grammar over its stacks.
+        if grammar and chosen.logit == -math.inf:
+            return None
+        return int(chosen.id)
+
+    def allows(self, sampler: Any, token: int) -> bool:
+        if sampler.grammar is None:
+            return True
+        one: Any = self._one[0]
+        one.id, one.logit, one.p = token, 1.0, 0.0
+        self._lib.llama_sampler_apply(sampler.grammar, self._candidates(self._one, 1))
+        return bool(math.isfinite(self._arr.data[0].logit))
+
+    def accept(self, sampler: Any, token: int) -> None:
+        if sampler.grammar is not None:
+            self._lib.llama_sampler_accept(sampler.grammar, token)
+        self._lib.llama_sampler_accept(sampler.chain.sampler, token)
 
     def logits(self, idx: int) -> np.ndarray:
         ptr = self._lib.llama_get_logits_ith(self._ctx.ctx, idx)
@@ -336,6 +429,16 @@ class LlamaBackend:
 
     def close(self) -> None:
         self._batch.close()
+
+
+def _grammar_param(plan: chat_tools.Plan) -> str | None:
+    """The field of a chat request its grammar comes from (None: it has none)."""
+    if plan.forced is not None:
+        return plan.forced[0]
+    if plan.schema is not None or plan.params.get("tools"):
+        return "tools"  # tool_choice required, or a function-calling chat format's grammar
+    rf = plan.params.get("response_format")
+    return "response_format" if isinstance(rf, dict) else None
 
 
 def _pair_format(llm: Any) -> rerank.PairFormat:
@@ -374,8 +477,12 @@ class LlamaRuntime:
     """``wrap`` wraps the engine's backend: a test that must decide when each step runs puts
     a gate in front of the real one (same interface)."""
 
-    def __init__(self, wrap: Callable[[Backend], Backend] | None = None) -> None:
+    def __init__(
+        self, wrap: Callable[[Backend], Backend] | None = None, grammar_budget_s: float = 0.0
+    ) -> None:
         self._wrap = wrap
+        # Engine thread seconds a request's grammar may take ([worker] grammar_budget_s).
+        self._grammar_budget_s = grammar_budget_s
         self._llm: Any = None
         self._engine: Engine | None = None
         self._parallel = 1
@@ -425,7 +532,9 @@ class LlamaRuntime:
             n_batch = max(spec.n_batch, self.parallel)
             backend = LlamaBackend(self._llm, n_batch)
             engine_backend: Backend = self._wrap(backend) if self._wrap else backend
-            self._engine = Engine(engine_backend, self.parallel, spec.n_ctx, n_batch)
+            self._engine = Engine(
+                engine_backend, self.parallel, spec.n_ctx, n_batch, self._grammar_budget_s
+            )
             self._llm.engine = self._engine
             self._llm.pieces = Pieces(backend.piece, backend.fim())
             self._tools = chat_tools.support(self._llm.chat_format, _templates(self._llm))
@@ -466,7 +575,7 @@ class LlamaRuntime:
         params = self._grammars(plan)
         create = self.llm.create_chat_completion
         hooks = Hooks(on_step, on_usage, on_progress, cache)
-        out = self._call(create, params, stream, "messages", hooks)
+        out = self._call(create, params, stream, "messages", hooks, _grammar_param(plan))
         if plan.parse:
             if stream:
                 return toolcalls.stream_with_calls(out, plan.parse)
@@ -557,14 +666,20 @@ class LlamaRuntime:
         return self._call(create, params, stream, "prompt", hooks)
 
     def _call(
-        self, create: Any, params: dict[str, Any], stream: bool, param: str, hooks: Hooks
+        self,
+        create: Any,
+        params: dict[str, Any],
+        stream: bool,
+        param: str,
+        hooks: Hooks,
+        grammar_param: str | None = None,
     ) -> Any:
         self._check_logit_bias(params)
         # Read by create_completion in this thread: at once for most handlers (a stream's job
         # is submitted before its first chunk), inside the stream for lazy ones (_guarded).
-        with _client_errors(param), _hooked(hooks):
+        with _client_errors(param, grammar_param), _hooked(hooks):
             out = create(**params, stream=stream)
-        return _guarded(out, param, hooks) if stream else out
+        return _guarded(out, param, hooks, grammar_param) if stream else out
 
     def _check_logit_bias(self, params: dict[str, Any]) -> None:
         # llama.cpp indexes the logits with these ids: one past the vocabulary is an IndexError.

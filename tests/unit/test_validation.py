@@ -378,3 +378,74 @@ def test_schema_at_the_caps_passes() -> None:
             "description": "x" * (validation.MAX_SCHEMA_BYTES - 200),
         },
     )
+
+
+# --- what a schema's grammar costs ------------------------------------------------------------
+
+
+def _pattern_schema(pattern: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+
+
+NESTED_PATTERNS = [
+    "^((a|b){0,100}){0,100}$",  # each repeat within the cap; together 10000
+    "^(a{0,16}){0,17}$",  # just past: 272
+    "^(((a{0,4}){0,4}){0,4}){0,5}$",  # four levels
+    "^(x|(a{0,20}){0,20})$",  # inside an alternative
+    "^a{,99999}$",  # {,m}: the converter reads it as {0,m}
+    "^(a{3,}){100}$",  # {n,}: n copies and a loop
+]
+
+
+@pytest.mark.parametrize("pattern", NESTED_PATTERNS)
+def test_patterns_whose_nested_repeats_multiply_past_the_bound_are_refused_naming_the_field(
+    pattern: str,
+) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": _pattern_schema(pattern)}}
+    with pytest.raises(ApiError) as e:
+        validate_chat(chat(response_format=rf))
+    param = "response_format.json_schema.schema.properties.s.pattern"
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "schema_too_large")
+    assert "multiply" in e.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": _pattern_schema(pattern)}}
+    with pytest.raises(ApiError) as e:
+        validate_chat(chat(tools=[tool]))
+    assert e.value.param == "tools[0].function.parameters.properties.s.pattern"
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^a{0,256}$",
+        "^[a-z]{1,64}@[a-z]{1,255}$",  # side by side: the largest counts, not the sum
+        "^(a{0,16}){0,16}$",  # nested, at the bound
+        "^((a{0,4}){0,4}){0,16}$",
+        "^([0-9]{1,3}\\.){3}[0-9]{1,3}$",
+        "^(ab|cd)*(x+)+[{]{2}$",  # loops are not written out
+        "^[A-Z]{2}-[0-9]+$",
+    ],
+)
+def test_flat_and_small_nested_patterns_pass(pattern: str) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": _pattern_schema(pattern)}}
+    validate_chat(chat(response_format=rf))
+
+
+def _tool(i: int, size: int) -> dict[str, Any]:
+    props = {"note": {"type": "string", "description": "d" * size}}
+    params = {"type": "object", "properties": props}
+    return {"type": "function", "function": {"name": f"tool_{i}", "parameters": params}}
+
+
+def test_the_union_of_tool_choice_required_is_bounded_like_one_schema() -> None:
+    # 128 tools of ~1 KiB each: every one is small, their union (one grammar) is not.
+    tools = [_tool(i, 1000) for i in range(validation.MAX_TOOLS)]
+    with pytest.raises(ApiError) as e:
+        validate_chat(chat(tools=tools, tool_choice="required"))
+    assert (e.value.status, e.value.param, e.value.code) == (400, "tool_choice", "schema_too_large")
+    assert f"{validation.MAX_SCHEMA_BYTES}" in e.value.message
+    # The same tools without the union: no grammar over all of them is built.
+    validate_chat(chat(tools=tools, tool_choice="auto"))
+    named = {"type": "function", "function": {"name": "tool_3"}}
+    validate_chat(chat(tools=tools, tool_choice=named))
+    # A union within the bound passes: 128 small tools.
+    validate_chat(chat(tools=[_tool(i, 100) for i in range(128)], tool_choice="required"))
