@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from residency import supervisor
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH, tiny_models, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -50,6 +50,7 @@ class Up:
                 tmp / "box.toml",
                 {
                     "server": {"port": self.port, "web_workers": 1, "max_request_bytes": 65536},
+                    "auth": OPEN_AUTH,
                     "debug": {"fault_injection": True},
                     "models": tiny_models(models_dir),
                 },
@@ -321,7 +322,9 @@ def test_supervisor_crash_leaves_no_orphans_and_changes_survive(
 
 
 def _states(up: Up) -> dict[str, str]:
-    h = requests.get(up.url + "/health", timeout=10).json()
+    # The admin key: the demo config opens /v1 only.
+    admin = {"Authorization": f"Bearer {up.admin_key}"}
+    h = requests.get(up.url + "/health", headers=admin, timeout=10).json()
     return {m["name"]: m["state"] for m in h["models"]}
 
 
@@ -338,9 +341,12 @@ def _wait_states(up: Up, want: dict[str, str]) -> dict[str, str]:
 def test_demo_config_swaps_its_two_models_and_routes_auto(tmp_path: Path, models_dir: Path) -> None:
     """The config `residency up` writes when none is given, on tiny models in place of the
     demo's: both models and the policy are served, one LLM is resident at a time (asking the
-    second evicts the first), and `auto` routes by its rule."""
+    second evicts the first), and `auto` routes by its rule; on loopback its API takes requests
+    without a key (the README's tour sends none), /health still needs the admin key."""
     first, second = supervisor.DEFAULT_MODEL, supervisor.SECOND_MODEL
-    text = supervisor.demo_config(models_dir / "tiny0.gguf", models_dir / "tiny1.gguf")
+    text = supervisor.demo_config(
+        models_dir / "tiny0.gguf", models_dir / "tiny1.gguf", open_api=True
+    )
     up = Up(tmp_path, models_dir, config=text)
     try:
         ids = {m.id for m in up.client.models.list().data}
@@ -368,6 +374,7 @@ def test_demo_config_swaps_its_two_models_and_routes_auto(tmp_path: Path, models
             assert resp.status_code == 200, resp.text
             routes.append(resp.headers["x-residency-route"])
         assert routes == [f"auto:default:{first}", f"auto:gemma:{second}"]
+        assert requests.get(up.url + "/health", timeout=10).status_code == 401
     finally:
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
