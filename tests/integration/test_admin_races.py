@@ -68,9 +68,7 @@ def test_a_pin_racing_a_delete_never_resurrects_the_model(app: Flask, r: redis.R
     c = app.test_client()
     for _ in range(ROUNDS):
         put(c, 512)
-        pinned, deleted = together(
-            app, pin, lambda cl: cl.delete("/admin/models/m", headers=ADMIN)
-        )
+        pinned, deleted = together(app, pin, lambda cl: cl.delete("/admin/models/m", headers=ADMIN))
         assert deleted.status_code == 200, deleted.get_json()
         # Pinned first (then deleted), or too late: 404, never a 200 that writes it back.
         assert pinned.status_code in (200, 404), pinned.get_json()
@@ -85,7 +83,7 @@ def test_a_pin_racing_a_put_never_reverts_it(app: Flask, r: redis.Redis) -> None
     for i in range(ROUNDS):
         put(c, 512)
         new_ctx = 1024 + i
-        pinned, _ = together(app, pin, lambda cl: put(cl, new_ctx))
+        pinned, _ = together(app, pin, lambda cl, n=new_ctx: put(cl, n))
         assert pinned.status_code == 200, pinned.get_json()
         entry = registry.get(r, "m")
         assert entry is not None

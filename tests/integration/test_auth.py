@@ -147,7 +147,6 @@ def test_a_default_box_needs_a_valid_key(app_for: Callable[..., Flask], r: redis
     publish_health(r)
     add_user(c, "alice")
     key = issue(c, "alice")
-    monitor = issue(c, "alice", monitor=True, models=[])
 
     for path in ("/v1/models", "/health", "/metrics"):
         resp = c.get(path)
