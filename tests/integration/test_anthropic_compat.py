@@ -50,7 +50,7 @@ def port(start_pool: Callable[..., Pool], models_dir: Path) -> Iterator[int]:
         write_tiny_model(tools_model, seed=5, chat_template=TOOLS_TEMPLATE)
     models = tiny_models(models_dir)
     models["t"] = {"path": str(tools_model), "n_ctx": 2048, "parallel": 1}
-    pool = start_pool(models=models, server={"host": "0.0.0.0"})
+    pool = start_pool(models=models, auth={"required": True})  # keys, as by default
     with http_server(pool) as p:
         yield p
 
