@@ -3,9 +3,13 @@ may carry (the HTTP behaviour is tested through the app in tests/integration/tes
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import pytest
 
-from residency.settings import SettingsError, build
+from residency import supervisor
+from residency.settings import SettingsError, build, is_loopback
 from web.guard import Rules, host_allowed, is_json, origin_allowed, same_origin, split_host
 
 DEFAULT = Rules.of(build({}))
@@ -112,3 +116,17 @@ def test_split_host() -> None:
     assert split_host("Box.Example:8000") == ("box.example", 8000)
     assert split_host("[::1]") == ("[::1]", None)
     assert split_host("box:") is None
+
+
+def test_the_demo_config_opens_the_api_only_when_asked() -> None:
+    def auth_of(text: str) -> tuple[bool, bool]:
+        s = build(tomllib.loads(text))
+        return s.auth.required, s.auth.public_health
+
+    closed = supervisor.demo_config(Path("/m/a.gguf"), Path("/m/b.gguf"))
+    opened = supervisor.demo_config(Path("/m/a.gguf"), Path("/m/b.gguf"), open_api=True)
+    assert auth_of(closed) == (True, False)
+    assert auth_of(opened) == (False, False)  # /health and /metrics still need the admin key
+    # `residency up` asks for it on a loopback bind only.
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost")] == [True] * 4
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "box.example"))
