@@ -144,28 +144,22 @@ class ServerSettings(_Strict):
     @field_validator("allowed_hosts")
     @classmethod
     def _hosts(cls, v: list[str]) -> list[str]:
-        out = []
-        for name in v:
-            if not HOST_NAME_RE.match(name):
-                raise ValueError(
-                    f"{name!r} is not a host name or address (no scheme, port or path; "
-                    "an IPv6 address in brackets)"
-                )
-            out.append(name.lower())
-        return out
+        return _lowered(
+            v, HOST_NAME_RE, "a host name or address (no scheme, port or path; IPv6 in brackets)"
+        )
 
     @field_validator("cors_origins")
     @classmethod
     def _origins(cls, v: list[str]) -> list[str]:
-        out = []
-        for origin in v:
-            if not ORIGIN_RE.match(origin):
-                raise ValueError(
-                    f"{origin!r} is not an origin: scheme://host[:port], without a path or a "
-                    "trailing '/'"
-                )
-            out.append(origin.lower())
-        return out
+        return _lowered(v, ORIGIN_RE, "an origin: scheme://host[:port], without a path or '/'")
+
+
+def _lowered(names: list[str], pattern: re.Pattern[str], what: str) -> list[str]:
+    """``names`` lowercased (Host and Origin compare without case), each checked to be ``what``."""
+    for name in names:
+        if not pattern.match(name):
+            raise ValueError(f"{name!r} is not {what}")
+    return [name.lower() for name in names]
 
 
 class PoolSettings(_Strict):
