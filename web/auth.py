@@ -120,9 +120,9 @@ def authenticate() -> Response | None:
     st = state()
     required, public_health = policy(st)
     raw = presented(request.headers)
-    # /health and /metrics name every model, host, device and (per_user) every user: they
-    # need the admin token or a key with the monitor scope, keys required or not.
-    required = required or health
+    # /health and /metrics name every model, host, device and (per_user) every user: unless
+    # public, they need the admin token or a key with the monitor scope, keys required or not.
+    required = required or (health and not public_health)
     if raw is not None and (required or users.looks_like_ours(raw) or _is_admin_key(st, raw)):
         p = resolve(st, raw)
         if p is None:
