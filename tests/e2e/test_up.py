@@ -197,6 +197,25 @@ def test_health_and_metrics_carry_the_contract_names(up: Up) -> None:
         assert name in text, name
 
 
+def test_what_a_web_page_sends_is_refused_by_gunicorn(up: Up) -> None:
+    """Through the real web server: a `text/plain` POST (no preflight needed), a rebinding
+    page's Host and a foreign Origin get nothing, and nothing reaches a queue."""
+    body = json.dumps({"model": "a", "messages": [{"role": "user", "content": "hi"}]})
+    url = up.url + "/v1/chat/completions"
+    plain = requests.post(url, data=body, headers={"Content-Type": "text/plain"}, timeout=30)
+    assert plain.status_code == 415 and plain.json()["error"]["code"] == "unsupported_media_type"
+    host = requests.post(url, data=body, headers={"Host": "evil.example"}, timeout=30)
+    assert host.status_code == 421 and host.json()["error"]["code"] == "misdirected_request"
+    origin = {"Origin": "https://evil.example", "Content-Type": "application/json"}
+    resp = requests.post(url, data=body, headers=origin, timeout=30)
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "origin_not_allowed"
+    assert (
+        requests.get(up.url + "/livez", headers={"Host": "evil.example"}, timeout=30).status_code
+        == 421
+    )
+    assert requests.get(up.url + "/livez", headers={"Host": "localhost"}, timeout=30).ok
+
+
 def test_status_command_prints_the_pool(up: Up) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "residency.cli", "status", "--url", up.url],
