@@ -515,7 +515,7 @@ def list_models() -> Any:
     )
     states = _states(st.r, [e.name for e in entries])
     data = [_model_object(e, s) for e, s in zip(entries, states, strict=True)]
-    for _n, p in sorted(policy_store.all_entries(st.r).items()):
+    for _name, p in sorted(policy_store.all_entries(st.r).items()):
         obj = _policy_object(p, caller)
         if obj is not None:
             data.append(obj)
@@ -525,7 +525,7 @@ def list_models() -> Any:
 def _policy_object(p: PolicyEntry, caller: Principal) -> dict[str, Any] | None:
     """A policy is listed like a model (clients pick it by name), marked as a policy, with the
     candidates ``caller`` may use (a key sees no model outside its scopes, through a policy
-    neither); None when the caller may use the policy or none of its candidates."""
+    neither); None when the caller may not use the policy, or none of its candidates."""
     candidates = [c for c in p.spec.get("candidates", []) if caller.may_use_model(str(c))]
     if not caller.may_use_policy(p.name) or not candidates:
         return None
