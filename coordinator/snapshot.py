@@ -21,6 +21,7 @@ from coordinator.decide import (
     room_of,
 )
 from residency import __version__, footprint, keys, ledger, policy_store, registry, states
+from residency.auth import subject_label
 from residency.messages import Request
 from residency.policies import candidate_floor, helper_models
 from residency.settings import MODEL_TYPES, ModelSpec, Settings
@@ -107,8 +108,9 @@ def _children(w: dict[str, str]) -> tuple[dict[str, str] | None, float | None]:
 def queue_summary(items: list[str]) -> tuple[float | None, dict[str, int]]:
     """(the submit time of the oldest queued request, queued requests per user) of one model's
     queue list. The oldest is not always the one served next (that is the right end): fair
-    queueing lets another user's later request go first. Anonymous requests count under
-    ``keys.ANONYMOUS``; an unreadable item counts for nobody."""
+    queueing lets another user's later request go first. Requests count under their subject's
+    label (a user's name, ``admin:<name>``, ``-`` for anonymous callers: as ``/admin/usage``
+    shows them); an unreadable item counts for nobody."""
     oldest: float | None = None
     users: Counter[str] = Counter()
     for raw in items:
@@ -116,7 +118,7 @@ def queue_summary(items: list[str]) -> tuple[float | None, dict[str, int]]:
             req = Request.loads(raw)
         except (ValueError, KeyError, TypeError):
             continue
-        users[req.user or keys.ANONYMOUS] += 1
+        users[subject_label(req.user or keys.ANONYMOUS)] += 1
         oldest = req.submitted if oldest is None else min(oldest, req.submitted)
     return oldest, dict(users)
 

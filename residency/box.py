@@ -168,12 +168,15 @@ def commit_change(
     op: Callable[[Any], Any],
     *,
     absent: tuple[str, str] | None = None,
+    read: tuple[str, Callable[[Any], None]] | None = None,
 ) -> int:
     """Every admin change: apply ``op``, bump the generation and the config generation, write
     the audit record and tell the coordinator — one MULTI, so a change and its event are never
     seen apart. Returns the new (pass) generation. ``absent = (hash key, field)`` must not exist
     when the change commits (checked under WATCH, so two writers racing for one name cannot
-    both win)."""
+    both win). ``read = (key, check)``: a change made from what is stored (read-modify-write):
+    ``check(pipe)`` reads under WATCH of ``key`` (and may raise to refuse the change) before
+    ``op`` is queued, and a write to ``key`` in between makes it read again."""
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -181,6 +184,9 @@ def commit_change(
                     pipe.watch(absent[0])
                     if pipe.hexists(*absent):
                         raise NameTaken(absent[1])
+                if read is not None:
+                    pipe.watch(read[0])
+                    read[1](pipe)
                 pipe.multi()
                 op(pipe)
                 pipe.incr(keys.generation())

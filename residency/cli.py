@@ -284,6 +284,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         "policies": _names(args.policies),
         "may_load": not args.no_load,
         "route_trace": args.route_trace,
+        "monitor": args.monitor,
     }
     if args.quota:
         body["quotas"] = _quotas(args.quota)
@@ -374,6 +375,9 @@ def parser() -> argparse.ArgumentParser:
     ki.add_argument("--policies", metavar="P,Q", help="only these policies (default: all)")
     ki.add_argument("--no-load", action="store_true", help="may not cause a model load")
     ki.add_argument("--route-trace", action="store_true", help="may ask for route_trace")
+    ki.add_argument(
+        "--monitor", action="store_true", help="may read /health and /metrics (a scrape key)"
+    )
     ki.add_argument("--quota", action="append", metavar="NAME=VALUE", help=quota_help)
     ksub.add_parser("ls").add_argument("--user", help="only this user's keys")
     ksub.add_parser("revoke").add_argument("id")

@@ -31,7 +31,8 @@ HEADER = """\
 # uncommented RESIDENCY_<SECTION>_<KEY> line below overrides that key of the config file
 # (deploy/residency.toml) for every role. Model processes inherit none of it.
 # compose.yaml sets the rest itself: RESIDENCY_REDIS_URL, RESIDENCY_CONFIG, RESIDENCY_DATA_DIR,
-# RESIDENCY_SERVER_HOST, and per worker RESIDENCY_HOST and RESIDENCY_DEVICES.
+# RESIDENCY_SERVER_HOST, for web RESIDENCY_SERVER_ALLOWED_HOSTS (its service name, which
+# Prometheus scrapes it by), and per worker RESIDENCY_HOST and RESIDENCY_DEVICES.
 """
 
 

@@ -180,11 +180,11 @@ def progress(name: str) -> str:
 
 
 def usage(day: str) -> str:
-    """hash: what was used on one UTC day (``YYYY-MM-DD``), field ``user|model|counter`` ->
+    """hash: what was used on one UTC day (``YYYY-MM-DD``), field ``subject|model|counter`` ->
     count, counters ``requests``, ``prompt_tokens``, ``completion_tokens`` (and
     ``load_seconds``). Counted by the model process that served each request, in the script
-    that finishes it; ``user`` is ``-`` for a request nobody was identified for. TTL
-    ``USAGE_TTL_S``."""
+    that finishes it; the subject is the caller's (``user:<name>``, ``admin:<name>``, or
+    ``ANONYMOUS`` for a request nobody was identified for). TTL ``USAGE_TTL_S``."""
     return f"{PREFIX}usage:{day}"
 
 
@@ -395,8 +395,9 @@ USAGE_TTL_S = 400 * 86400
 QUOTA_DAY_TTL_S = 2 * 86400
 #: The sliding window of ``requests_per_minute``.
 QUOTA_WINDOW_S = 60
-#: The name usage is counted under for a request nobody was identified for.
-ANONYMOUS = "-"
+#: The subject usage is counted under for a request nobody was identified for (see
+#: ``residency.auth.subject_of``: users are ``user:<name>``, admin tokens ``admin:<name>``).
+ANONYMOUS = "anon"
 WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from residency import keys
+from residency.auth import subject_label
 
 LOADS_TOTAL = "residency_model_loads_total"
 LOAD_SECONDS = "residency_model_load_seconds"
@@ -105,8 +106,10 @@ class RedisCollector(Collector):
 
     @staticmethod
     def _users(data: dict[str, str]) -> Iterator[CounterMetricFamily]:
-        """Requests and tokens per user and model, from the all-time usage totals (``-`` is
-        the anonymous callers)."""
+        """Requests and tokens per user and model, from the all-time usage totals, users
+        labelled as ``/admin/usage`` shows them (``residency.auth.subject_label``: ``-`` is the
+        anonymous callers). Totals counted before subjects were namespaced (a bare user name)
+        are summed into the same series, so no series is exported twice."""
         requests = CounterMetricFamily(
             USER_REQUESTS_TOTAL.removesuffix("_total"),
             "API requests served per user and model",
@@ -117,13 +120,18 @@ class RedisCollector(Collector):
             "Tokens per user, model and kind (prompt, completion)",
             labels=["user", "model", "kind"],
         )
-        for field, value in sorted(data.items()):
-            user, _, rest = field.partition("|")
+        sums: dict[tuple[str, str, str], float] = {}
+        for field, value in data.items():
+            subject, _, rest = field.partition("|")
             model, _, counter = rest.rpartition("|")
+            if counter in ("requests", "prompt_tokens", "completion_tokens"):
+                at = (subject_label(subject), model, counter)
+                sums[at] = sums.get(at, 0.0) + float(value)
+        for (user, model, counter), total in sorted(sums.items()):
             if counter == "requests":
-                requests.add_metric([user, model], float(value))
-            elif counter in ("prompt_tokens", "completion_tokens"):
-                tokens.add_metric([user, model, counter.removesuffix("_tokens")], float(value))
+                requests.add_metric([user, model], total)
+            else:
+                tokens.add_metric([user, model, counter.removesuffix("_tokens")], total)
         yield requests
         yield tokens
 

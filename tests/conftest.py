@@ -46,6 +46,13 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+#: ``[auth]`` of a test box whose test is not about auth: keyless API calls, /health and
+#: /metrics open (keys are required by default).
+OPEN_AUTH: dict[str, Any] = {"required": False, "public_health": True}
+#: The same as environment variables, for tests that build a ``Box`` without a config file.
+OPEN_AUTH_ENV = {"RESIDENCY_AUTH_REQUIRED": "false", "RESIDENCY_AUTH_PUBLIC_HEALTH": "true"}
+
+
 def toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -139,6 +146,7 @@ def start_pool(
         server: dict[str, Any] | None = None,
         policies: dict[str, dict[str, Any]] | None = None,
         worker: dict[str, Any] | None = None,
+        auth: dict[str, Any] | None = None,
     ) -> Pool:
         cfg = write_config(
             tmp_path / "config.toml",
@@ -149,6 +157,9 @@ def start_pool(
                 "models": models if models is not None else tiny_models(models_dir),
                 "policies": policies or {},
                 "worker": worker or {},
+                # Keys are required by default; the pool tests are not about auth (test_auth.py
+                # is), so their boxes take keyless requests unless a test says otherwise.
+                "auth": auth if auth is not None else OPEN_AUTH,
             },
         )
         box = Box(

@@ -250,12 +250,14 @@ def fit_model(name: str) -> Any:
 @bp.post("/models/<name>/pin")
 def pin_model(name: str) -> Any:
     st = state()
-    entry = _entry(name)
     body = read_json()
     pinned = body.get("pinned")
     if not isinstance(pinned, bool):
         raise errors.bad_request("'pinned' must be a boolean", "pinned")
-    gen = _changed(registry.set_pinned(st.r, entry, pinned, _actor()))
+    try:
+        gen = _changed(registry.set_pinned(st.r, name, pinned, _actor()))
+    except registry.Missing:
+        raise errors.model_not_found(name) from None
     return jsonify({"model": name, "pinned": pinned, "generation": gen})
 
 

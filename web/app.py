@@ -15,6 +15,7 @@ from web import (
     admin_users,
     auth,
     bus,
+    guard,
     messages_api,
     openai_api,
     openapi,
@@ -104,11 +105,14 @@ def create_app(box: Box | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions[EXTENSION] = State(box or Box.from_env())
     _register_errors(app)
-    # Authentication first: a caller without a valid key learns nothing else (not even 413).
+    # A request a web page made for its own ends is refused before anything reads it; then
+    # authentication: a caller without a valid key learns nothing else (not even 413).
+    app.before_request(guard.check)
     app.before_request(auth.authenticate)
     app.before_request(_limit_body)
     # An admin change is answered once a replica holds it (Sentinel-backed bus only).
     app.after_request(replicated.confirm)
+    app.after_request(guard.cors)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(responses_api.bp)
     app.register_blueprint(rerank_api.bp)

@@ -1,10 +1,13 @@
 """Who is asking: the API key of a request, resolved to a ``residency.auth.Principal``.
 
 Runs before every request to ``/v1/*``, ``/health`` and ``/metrics`` and leaves the caller in
-``flask.g.principal``. A user key costs one script call (its record and its user's, read
-together: a revoke or a removed user is seen by the next request of every web process) and a
-dictionary lookup (records are parsed once per process, by their text); a named admin token one
-HGET; the box's admin key (the token ``default``) and a request without a key none.
+``flask.g.principal``. ``/health`` and ``/metrics`` take the admin token or a key with the
+``monitor`` scope only (``[auth] public_health`` opens them).
+
+A user key costs one script call (its record and its user's, read together: a revoke or a
+removed user is seen by the next request of every web process) and a dictionary lookup (records
+are parsed once per process, by their text); a named admin token one HGET; the box's admin key
+(the token ``default``) and a request without a key none.
 
 Whether keys are required is restart-only (``[auth]``), so it is read once per process.
 """
@@ -84,7 +87,7 @@ def policy(st: State) -> tuple[bool, bool]:
     got = _POLICY.get(st)
     if got is None:
         s = st.cached().settings
-        got = _POLICY[st] = (s.auth_required, s.auth.public_health)
+        got = _POLICY[st] = (s.auth.required, s.auth.public_health)
     return got
 
 
@@ -117,10 +120,21 @@ def authenticate() -> Response | None:
     st = state()
     required, public_health = policy(st)
     raw = presented(request.headers)
+    # /health and /metrics name every model, host, device and (per_user) every user: unless
+    # public, they need the admin token or a key with the monitor scope, keys required or not.
+    required = required or (health and not public_health)
     if raw is not None and (required or users.looks_like_ours(raw) or _is_admin_key(st, raw)):
         p = resolve(st, raw)
         if p is None:
             return unauthorized("invalid API key: unknown, revoked or malformed")
+        if health and not (public_health or p.may_monitor):
+            raise ApiError(
+                403,
+                f"{request.path} needs the admin token or an API key with the monitor scope "
+                "(`residency keys issue USER --monitor`)",
+                type="permission_error",
+                code="monitor_not_allowed",
+            )
         g.principal = p
         return None
     if required and not (health and public_health):

@@ -17,6 +17,7 @@ import redis
 from flask import Blueprint, Response, g, jsonify, make_response, request
 
 from residency import errors, keys, policy_store
+from residency.auth import Principal
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
@@ -617,24 +618,29 @@ def list_models() -> Any:
     )
     states = _states(st.r, [e.name for e in entries])
     data = [_model_object(e, s) for e, s in zip(entries, states, strict=True)]
-    data += [
-        _policy_object(p)
-        for n, p in sorted(policy_store.all_entries(st.r).items())
-        if caller.may_use_policy(n)
-    ]
+    for _name, p in sorted(policy_store.all_entries(st.r).items()):
+        obj = _policy_object(p, caller)
+        if obj is not None:
+            data.append(obj)
     return jsonify({"object": "list", "data": data})
 
 
-def _policy_object(p: PolicyEntry) -> dict[str, Any]:
-    """A policy is listed like a model (clients pick it by name), marked as a policy."""
+def _policy_object(p: PolicyEntry, caller: Principal) -> dict[str, Any] | None:
+    """A policy is listed like a model (clients pick it by name), marked as a policy, with the
+    candidates ``caller`` may use (a key sees no model outside its scopes, through a policy
+    neither); None when the caller may not use the policy, or none of its candidates."""
+    candidates = [c for c in p.spec.get("candidates", []) if caller.may_use_model(str(c))]
+    if not caller.may_use_policy(p.name) or not candidates:
+        return None
+    default = p.spec.get("default")
     return {
         "id": p.name,
         "object": "model",
         "created": 0,
         "owned_by": "residency",
         "type": "policy",
-        "candidates": list(p.spec.get("candidates", [])),
-        "default": p.spec.get("default"),
+        "candidates": candidates,
+        "default": default if default in candidates else None,
     }
 
 
@@ -644,9 +650,10 @@ def get_model(model_id: str) -> Any:
     _view, entry, policy = st.lookup(model_id)
     caller = auth.principal()
     if policy is not None:
-        if not caller.may_use_policy(model_id):
+        obj = _policy_object(policy, caller)
+        if obj is None:
             raise not_allowed(model_id)
-        return jsonify(_policy_object(policy))
+        return jsonify(obj)
     if entry is None:
         raise errors.model_not_found(model_id)
     if not caller.may_use_model(model_id):

@@ -480,17 +480,18 @@ def _settings_schema() -> Schema:
 
 _API_SECURITY: list[dict[str, list[str]]] = [{"bearer": []}, {"apiKey": []}, {}]
 _ADMIN_SECURITY: list[dict[str, list[str]]] = [{"bearer": []}]
-_API_ERRORS = (400, 401, 403, 404, 409, 413, 415, 429, 500, 503, 504)
-_ADMIN_ERRORS = (400, 401, 404, 409, 413, 415, 503)
+_API_ERRORS = (400, 401, 403, 404, 409, 413, 415, 421, 429, 500, 503, 504)
+_ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 421, 503)
 
 _DESCRIPTIONS = {
     400: "invalid request (``param`` names the field)",
     401: "missing or unknown key",
-    403: "the key may not do this",
+    403: "the key may not do this, or the request's Origin is not allowed (server.cors_origins)",
     404: "unknown model, policy, user, key or token",
     409: "conflict",
     413: "body too large",
-    415: "unsupported media type",
+    415: "a body that is not application/json",
+    421: "a Host this box does not answer to (server.allowed_hosts)",
     429: "over a limit or quota (Retry-After)",
     500: "internal error",
     503: "not ready or Redis unavailable (Retry-After)",

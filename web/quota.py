@@ -63,10 +63,12 @@ def principal() -> Principal:
 
 
 def subjects(p: Principal) -> list[tuple[str, str, Quotas]]:
-    """(``user`` / ``key``, name, quotas) of each part of ``p`` that has quotas."""
+    """(``user`` / ``key``, name, quotas) of each part of ``p`` that has quotas: the user's
+    under its subject (``user:<name>``, the name its usage is counted under), the key's under
+    its id."""
     out: list[tuple[str, str, Quotas]] = []
-    if p.user and p.user_quotas.any():
-        out.append(("user", p.user, p.user_quotas))
+    if p.kind == "user" and p.user_quotas.any():
+        out.append(("user", p.subject, p.user_quotas))
     if p.key_id and p.key_quotas.any():
         out.append(("key", p.key_id, p.key_quotas))
     return out
@@ -203,8 +205,8 @@ def charge(
 
 def _who(p: Principal, subject: str, name: str) -> str:
     if subject == "key":
-        return f"API key '{name}' of user '{p.user}'" if p.user else f"API key '{name}'"
-    return f"user '{name}'"
+        return f"API key '{name}' of user '{p.name}'" if p.name else f"API key '{name}'"
+    return f"user '{p.name}'"
 
 
 def _num(text: str) -> str:

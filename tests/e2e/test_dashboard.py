@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH, tiny_models, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -81,6 +81,7 @@ class Up:
             tmp / "box.toml",
             {
                 "server": {"port": self.port, "web_workers": 1},
+                "auth": OPEN_AUTH,
                 "pool": {"max_loaded_models": 1},
                 "models": {"a": models["a"], "b": models["b"]},
             },

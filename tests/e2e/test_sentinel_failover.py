@@ -28,7 +28,7 @@ import pytest
 import requests
 
 from residency import keys
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH, tiny_models, write_config
 from tests.e2e.test_up import free_port
 from tests.sentinels import SentinelSet, eventually
 
@@ -68,6 +68,7 @@ def box(tmp_path: Path, models_dir: Path, sentinels: SentinelSet) -> Iterator[Bo
         tmp_path / "box.toml",
         {
             "server": {"port": port, "web_workers": 1, "redis_wait_ms": 1000},
+            "auth": OPEN_AUTH,
             "pool": {"max_loaded_models": 1},
             "models": tiny_models(models_dir),
         },

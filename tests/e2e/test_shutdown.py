@@ -23,7 +23,7 @@ import psutil
 import pytest
 import requests
 
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH, tiny_models, write_config
 from tests.e2e.test_up import free_port, start_up
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +55,7 @@ class Box:
             tmp / "box.toml",
             {
                 "server": {"port": self.port, "web_workers": 1},
+                "auth": OPEN_AUTH,
                 "debug": {"fault_injection": True},
                 "models": tiny_models(models_dir),
             },

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from residency import supervisor
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH, tiny_models, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -50,6 +50,7 @@ class Up:
                 tmp / "box.toml",
                 {
                     "server": {"port": self.port, "web_workers": 1, "max_request_bytes": 65536},
+                    "auth": OPEN_AUTH,
                     "debug": {"fault_injection": True},
                     "models": tiny_models(models_dir),
                 },
@@ -196,6 +197,25 @@ def test_health_and_metrics_carry_the_contract_names(up: Up) -> None:
         assert name in text, name
 
 
+def test_what_a_web_page_sends_is_refused_by_gunicorn(up: Up) -> None:
+    """Through the real web server: a `text/plain` POST (no preflight needed), a rebinding
+    page's Host and a foreign Origin get nothing, and nothing reaches a queue."""
+    body = json.dumps({"model": "a", "messages": [{"role": "user", "content": "hi"}]})
+    url = up.url + "/v1/chat/completions"
+    plain = requests.post(url, data=body, headers={"Content-Type": "text/plain"}, timeout=30)
+    assert plain.status_code == 415 and plain.json()["error"]["code"] == "unsupported_media_type"
+    host = requests.post(url, data=body, headers={"Host": "evil.example"}, timeout=30)
+    assert host.status_code == 421 and host.json()["error"]["code"] == "misdirected_request"
+    origin = {"Origin": "https://evil.example", "Content-Type": "application/json"}
+    resp = requests.post(url, data=body, headers=origin, timeout=30)
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "origin_not_allowed"
+    assert (
+        requests.get(up.url + "/livez", headers={"Host": "evil.example"}, timeout=30).status_code
+        == 421
+    )
+    assert requests.get(up.url + "/livez", headers={"Host": "localhost"}, timeout=30).ok
+
+
 def test_status_command_prints_the_pool(up: Up) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "residency.cli", "status", "--url", up.url],
@@ -321,7 +341,9 @@ def test_supervisor_crash_leaves_no_orphans_and_changes_survive(
 
 
 def _states(up: Up) -> dict[str, str]:
-    h = requests.get(up.url + "/health", timeout=10).json()
+    # The admin key: the demo config opens /v1 only.
+    admin = {"Authorization": f"Bearer {up.admin_key}"}
+    h = requests.get(up.url + "/health", headers=admin, timeout=10).json()
     return {m["name"]: m["state"] for m in h["models"]}
 
 
@@ -338,9 +360,12 @@ def _wait_states(up: Up, want: dict[str, str]) -> dict[str, str]:
 def test_demo_config_swaps_its_two_models_and_routes_auto(tmp_path: Path, models_dir: Path) -> None:
     """The config `residency up` writes when none is given, on tiny models in place of the
     demo's: both models and the policy are served, one LLM is resident at a time (asking the
-    second evicts the first), and `auto` routes by its rule."""
+    second evicts the first), and `auto` routes by its rule; on loopback its API takes requests
+    without a key (the README's tour sends none), /health still needs the admin key."""
     first, second = supervisor.DEFAULT_MODEL, supervisor.SECOND_MODEL
-    text = supervisor.demo_config(models_dir / "tiny0.gguf", models_dir / "tiny1.gguf")
+    text = supervisor.demo_config(
+        models_dir / "tiny0.gguf", models_dir / "tiny1.gguf", open_api=True
+    )
     up = Up(tmp_path, models_dir, config=text)
     try:
         ids = {m.id for m in up.client.models.list().data}
@@ -368,6 +393,7 @@ def test_demo_config_swaps_its_two_models_and_routes_auto(tmp_path: Path, models
             assert resp.status_code == 200, resp.text
             routes.append(resp.headers["x-residency-route"])
         assert routes == [f"auto:default:{first}", f"auto:gemma:{second}"]
+        assert requests.get(up.url + "/health", timeout=10).status_code == 401
     finally:
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0

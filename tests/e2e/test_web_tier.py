@@ -24,7 +24,7 @@ from typing import Any, cast
 import pytest
 import requests
 
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH, tiny_models, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -65,6 +65,7 @@ class Box:
             tmp / "box.toml",
             {
                 "server": {"port": self.port, **(server or {"sse_keepalive_s": 0.5})},
+                "auth": OPEN_AUTH,
                 "pool": pool or {"max_queue_per_model": CLIENTS + 10, "max_loaded_models": 2},
                 "debug": {"fault_injection": True},
                 "models": tiny_models(models_dir),

@@ -43,14 +43,14 @@ STOPS = [" ", "e", "a", "t"]
 
 @pytest.fixture
 def port(start_pool: Callable[..., Pool], models_dir: Path) -> Iterator[int]:
-    """``a``: the plain ChatML tiny model; ``t``: one whose template takes tools. A
-    non-loopback host: keys are required."""
+    """``a``: the plain ChatML tiny model; ``t``: one whose template takes tools. Keys are
+    required (the default)."""
     tools_model = models_dir / "tiny-tools.gguf"
     if not tools_model.exists():
         write_tiny_model(tools_model, seed=5, chat_template=TOOLS_TEMPLATE)
     models = tiny_models(models_dir)
     models["t"] = {"path": str(tools_model), "n_ctx": 2048, "parallel": 1}
-    pool = start_pool(models=models, server={"host": "0.0.0.0"})
+    pool = start_pool(models=models, auth={"required": True})
     with http_server(pool) as p:
         yield p
 

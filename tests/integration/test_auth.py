@@ -131,9 +131,10 @@ def test_key_is_shown_once_and_stored_hashed(app_for: Callable[..., Flask], r: r
     assert [k["id"] for k in listed] == [key_id]
     assert set(listed[0]) == {
         "id", "user", "created", "label", "models", "policies", "may_load", "route_trace",
-        "quotas",
+        "monitor", "quotas",
     }  # fmt: skip
     assert listed[0]["may_load"] is True and listed[0]["route_trace"] is False
+    assert listed[0]["monitor"] is False
     shown = json.dumps(c.get("/admin/users/alice", headers=AUTH).get_json())
     assert secret not in shown and "hash" not in shown
     # The audit record of the issue holds no secret either (it is in Redis: checked above).
@@ -141,8 +142,8 @@ def test_key_is_shown_once_and_stored_hashed(app_for: Callable[..., Flask], r: r
     assert actions[:2] == ["key.issue", "user.add"]
 
 
-def test_required_box_needs_a_valid_key(app_for: Callable[..., Flask], r: redis.Redis) -> None:
-    c = app_for(RESIDENCY_AUTH_REQUIRED="true").test_client()
+def test_a_default_box_needs_a_valid_key(app_for: Callable[..., Flask], r: redis.Redis) -> None:
+    c = app_for().test_client()  # keys are required by default, on loopback too
     publish_health(r)
     add_user(c, "alice")
     key = issue(c, "alice")
@@ -153,9 +154,9 @@ def test_required_box_needs_a_valid_key(app_for: Callable[..., Flask], r: redis.
         assert e["type"] == "invalid_request_error"
         assert resp.headers["WWW-Authenticate"] == "Bearer"
         assert c.get(path, headers=bearer("unused")).status_code == 401
-        assert c.get(path, headers=bearer(key)).status_code == 200
-        assert c.get(path, headers={"x-api-key": key}).status_code == 200
         assert c.get(path, headers=AUTH).status_code == 200  # an admin token is a key too
+    assert c.get("/v1/models", headers=bearer(key)).status_code == 200
+    assert c.get("/v1/models", headers={"x-api-key": key}).status_code == 200
     err(c.post("/v1/chat/completions", json={"model": "tiny", **CHAT}), 401, "invalid_api_key")
     # The probes never need one (readyz: no coordinator here, so not ready, but not refused).
     assert c.get("/livez").status_code == 200
@@ -163,7 +164,7 @@ def test_required_box_needs_a_valid_key(app_for: Callable[..., Flask], r: redis.
 
 
 def test_public_health(app_for: Callable[..., Flask], r: redis.Redis) -> None:
-    c = app_for(RESIDENCY_AUTH_REQUIRED="true", RESIDENCY_AUTH_PUBLIC_HEALTH="true").test_client()
+    c = app_for(RESIDENCY_AUTH_PUBLIC_HEALTH="true").test_client()
     publish_health(r)
     assert c.get("/health").status_code == 200
     assert c.get("/metrics").status_code == 200
@@ -177,7 +178,7 @@ def test_public_health(app_for: Callable[..., Flask], r: redis.Redis) -> None:
 def test_open_box_ignores_placeholders_but_refuses_bad_keys(
     app_for: Callable[..., Flask],
 ) -> None:
-    c = app_for().test_client()  # 127.0.0.1: keys are not required
+    c = app_for(RESIDENCY_AUTH_REQUIRED="false").test_client()
     assert c.get("/v1/models").status_code == 200
     assert c.get("/v1/models", headers=bearer("unused")).status_code == 200  # OpenAI clients
     add_user(c, "alice")
@@ -191,8 +192,8 @@ def test_open_box_ignores_placeholders_but_refuses_bad_keys(
 def test_revoke_is_seen_at_once_by_every_web_process(
     app_for: Callable[..., Flask],
 ) -> None:
-    one = app_for(RESIDENCY_AUTH_REQUIRED="true").test_client()
-    two = app_for(RESIDENCY_AUTH_REQUIRED="true").test_client()  # another web process
+    one = app_for().test_client()
+    two = app_for().test_client()  # another web process
     add_user(one, "alice")
     key, other = issue(one, "alice"), issue(one, "alice")
     for c in (one, two):
@@ -249,6 +250,76 @@ def test_policy_routing_to_a_model_outside_the_scopes(
     assert r.llen(keys.queue("tiny2")) == 0
 
 
+def test_health_and_metrics_need_the_monitor_scope(
+    app_for: Callable[..., Flask], r: redis.Redis
+) -> None:
+    """/health and /metrics show every model, host, device and error text (and per_user every
+    user's counters): a key scoped to one model reads neither; a monitor key and the admin
+    token do."""
+    c = app_for().test_client()
+    publish_health(r)
+    add_user(c, "alice")
+    scoped = bearer(issue(c, "alice", models=["tiny"]))
+    unscoped = bearer(issue(c, "alice"))  # every model, still no monitor scope
+    monitor = bearer(issue(c, "alice", monitor=True, models=[]))
+    for path in ("/health", "/metrics"):
+        for h in (scoped, unscoped):
+            e = err(c.get(path, headers=h), 403, "monitor_not_allowed")
+            assert e["type"] == "permission_error" and "--monitor" in e["message"]
+        assert c.get(path, headers=monitor).status_code == 200
+        assert c.get(path, headers=AUTH).status_code == 200
+    # A monitor key with no models is no API key: a scrape key reads, never generates.
+    err(c.post("/v1/chat/completions", json={"model": "tiny", **CHAT}, headers=monitor), 403,
+        "model_not_allowed")  # fmt: skip
+    # An open API (no keys required) does not open them: anonymous callers read neither.
+    open_c = app_for(RESIDENCY_AUTH_REQUIRED="false").test_client()
+    for path in ("/health", "/metrics"):
+        err(open_c.get(path), 401, "invalid_api_key")
+        err(open_c.get(path, headers=scoped), 403, "monitor_not_allowed")
+        assert open_c.get(path, headers=monitor).status_code == 200
+
+
+def test_model_scoped_keys_see_only_their_models(app_for: Callable[..., Flask]) -> None:
+    """/v1/models (and /v1/models/{id}) list what a key may use: its models, and the policies
+    it may use with only the candidates in its scope."""
+    c = app_for().test_client()
+    add_user(c, "alice")
+
+    def listed(h: dict[str, str]) -> dict[str, Any]:
+        resp = c.get("/v1/models", headers=h)
+        assert resp.status_code == 200, resp.get_json()
+        return {m["id"]: m for m in resp.get_json()["data"]}
+
+    everything = listed(bearer(issue(c, "alice")))
+    assert set(everything) == {"tiny", "tiny2", "auto"}
+    assert (everything["auto"]["candidates"], everything["auto"]["default"]) == (
+        ["tiny", "tiny2"],
+        "tiny2",
+    )
+    h = bearer(issue(c, "alice", models=["tiny"]))  # every policy, one model
+    mine = listed(h)
+    assert set(mine) == {"tiny", "auto"}
+    # The policy's other candidate (and its default) is outside the scope: not shown.
+    assert (mine["auto"]["candidates"], mine["auto"]["default"]) == (["tiny"], None)
+    assert c.get("/v1/models/auto", headers=h).get_json() == mine["auto"]
+    err(c.get("/v1/models/tiny2", headers=h), 403, "model_not_allowed")
+    # A key none of whose models a policy can route to does not see the policy at all.
+    none = bearer(issue(c, "alice", models=["elsewhere"]))
+    assert listed(none) == {}
+    err(c.get("/v1/models/auto", headers=none), 403, "model_not_allowed")
+    err(c.get("/v1/models/tiny", headers=none), 403, "model_not_allowed")
+
+
+def test_reserved_user_names_are_refused(app_for: Callable[..., Flask], r: redis.Redis) -> None:
+    c = app_for().test_client()
+    for name in ("-", "admin:ops", "user:ops"):
+        resp = c.post("/admin/users", json={"name": name}, headers=AUTH)
+        e = err(resp, 400, "invalid_user")
+        assert e["param"] == "name" and set(resp.get_json()["problems"]) == {"name"}
+    assert not r.exists(keys.users())
+    add_user(c, "anon")  # no reserved form: its subject is user:anon, not the anonymous one
+
+
 def test_route_trace_needs_its_scope(app_for: Callable[..., Flask]) -> None:
     c = app_for().test_client()
     add_user(c, "alice")
@@ -265,7 +336,7 @@ def test_route_trace_needs_its_scope(app_for: Callable[..., Flask]) -> None:
 def test_key_without_may_load_never_loads_or_evicts(start_pool: Callable[..., Pool]) -> None:
     pool = start_pool(pool={"max_loaded_models": 1})
     c = client_for(pool)
-    assert chat(c, "a").status_code == 200  # anonymous (127.0.0.1 needs no key): loads a
+    assert chat(c, "a").status_code == 200  # anonymous (this test's box needs no key): loads a
     pid_a = pool.pid("a")
     add_user(c, "bob")
     h = bearer(issue(c, "bob", may_load=False))
@@ -288,7 +359,7 @@ def test_key_without_may_load_never_loads_or_evicts(start_pool: Callable[..., Po
 
 
 def test_named_admin_tokens_are_audited_by_name(app_for: Callable[..., Flask]) -> None:
-    c = app_for(RESIDENCY_AUTH_REQUIRED="true").test_client()
+    c = app_for().test_client()
     tokens = {}
     for name in ("alice", "bob"):
         resp = c.post("/admin/tokens", json={"name": name}, headers=AUTH)
@@ -382,7 +453,8 @@ def test_principal_carries_the_user_and_key(app_for: Callable[..., Flask], r: re
     with app.test_request_context("/v1/models", headers=bearer(key)):
         assert auth.authenticate() is None
         p = g.principal
-    assert (p.kind, p.user, p.key_id, p.weight) == ("user", "alice", key.split("_")[1], 2.5)
+    assert (p.kind, p.name, p.key_id, p.weight) == ("user", "alice", key.split("_")[1], 2.5)
+    assert p.subject == "user:alice"  # what usage, quotas and fair queues count it under
     assert p.models == frozenset({"tiny"}) and p.policies is None
     assert (p.may_load, p.route_trace) == (False, False)
     assert p.user_quotas.concurrent == 3 and p.key_quotas.tokens_per_day == 100
@@ -393,7 +465,7 @@ def test_principal_carries_the_user_and_key(app_for: Callable[..., Flask], r: re
 
 @pytest.fixture
 def served(app_for: Callable[..., Flask]) -> Iterator[str]:
-    srv = make_server("127.0.0.1", 0, app_for(RESIDENCY_AUTH_REQUIRED="true"), threaded=True)
+    srv = make_server("127.0.0.1", 0, app_for(), threaded=True)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{srv.server_port}"
@@ -489,9 +561,52 @@ def test_a_real_keys_quotas_are_enforced_and_its_usage_counted_under_its_user(
     assert "user 'ann'" in e["message"] and "3 requests per minute" in e["message"], e
 
     usages = [a.get_json()["usage"] for a in answered]
-    assert usage_of(pool.r, "ann", "a") == {
+    assert usage_of(pool.r, "user:ann", "a") == {
         "requests": 3,
         "prompt_tokens": sum(u["prompt_tokens"] for u in usages),
         "completion_tokens": sum(u["completion_tokens"] for u in usages),
     }
-    assert load_seconds_of(pool.r, "ann", "a") > 0  # her first request loaded the model
+    assert load_seconds_of(pool.r, "user:ann", "a") > 0  # her first request loaded the model
+
+
+def test_an_admin_token_and_a_user_of_one_name_are_counted_apart(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """Usage, quotas and fair queues key by a namespaced subject: admin token ``ops`` used on
+    /v1 is ``admin:ops``, user ``ops`` is ``user:ops``, so the token never spends the user's
+    quota, and /admin/usage shows them apart (the user under its plain name)."""
+    from tests.integration.test_usage import usage_of
+
+    limit = 100  # tokens a day: a few of these requests, more than one
+    pool = start_pool(auth={"required": True})
+    c = client_for(pool)
+    add_user(c, "ops", quotas={"tokens_per_day": limit})
+    user = bearer(issue(c, "ops"))
+    resp = c.post("/admin/tokens", json={"name": "ops"}, headers=AUTH)
+    assert resp.status_code == 201, resp.get_json()
+    admin = bearer(resp.get_json()["token"])
+
+    def tokens(subject: str) -> int:
+        u = usage_of(pool.r, subject, "a")
+        return u.get("prompt_tokens", 0) + u.get("completion_tokens", 0)
+
+    # The admin token spends more than the user's whole day (each request: tens of tokens)...
+    spent = 0
+    for _ in range(limit):
+        resp = c.post("/v1/chat/completions", json={"model": "a", **CHAT}, headers=admin)
+        assert resp.status_code == 200, resp.get_json()
+        spent += resp.get_json()["usage"]["total_tokens"]
+        if spent >= limit:
+            break
+    # ...and the user still has all of it.
+    first = c.post("/v1/chat/completions", json={"model": "a", **CHAT}, headers=user)
+    assert first.status_code == 200, first.get_json()
+    assert tokens("admin:ops") == spent >= limit
+    admin_requests = usage_of(pool.r, "admin:ops", "a")["requests"]
+    assert usage_of(pool.r, "user:ops", "a")["requests"] == 1
+
+    rep = c.get("/admin/usage", headers=AUTH).get_json()
+    assert rep["users"]["ops"]["requests"] == 1
+    assert rep["users"]["admin:ops"]["requests"] == admin_requests
+    only = c.get("/admin/usage?user=ops", headers=AUTH).get_json()
+    assert [x["user"] for x in only["rows"]] == ["ops"]

@@ -35,7 +35,7 @@ from residency.box import Box, connect
 from residency.lua import NotLeader
 from residency.messages import Event, EventType, Kind, Request
 from residency.policies import Floor
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH_ENV, tiny_models, write_config
 
 #: The standby's takeover is measured from the leader's death to its first record; this is the
 #: slack on top of the lease's remaining TTL and one standby poll, for a busy two-core machine.
@@ -86,7 +86,7 @@ def box(tmp_path: Path, redis_url: str, r: redis.Redis, models_dir: Path) -> Box
         data_dir=tmp_path / "data",
         config_path=cfg,
         redis_url=redis_url,
-        environ={"RESIDENCY_ADMIN_KEY": "test-admin-key"},
+        environ={**OPEN_AUTH_ENV, "RESIDENCY_ADMIN_KEY": "test-admin-key"},
     )
 
 

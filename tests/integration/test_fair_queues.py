@@ -399,7 +399,7 @@ def test_failing_the_queue_removes_every_tag(m: Model) -> None:
 
 
 def test_health_counts_queued_requests_per_user(m: Model) -> None:
-    for u in ("ann", "ann", "", "bob"):
+    for u in ("user:ann", "user:ann", "", "user:bob"):
         m.submit(u)
     m.take()  # in flight: not queued
     m.r.sadd(keys.models_with_state(), M)
@@ -407,16 +407,21 @@ def test_health_counts_queued_requests_per_user(m: Model) -> None:
     rd = snapshot.read(m.r, s, time.time())
     [rec] = [x for x in snapshot.health_record(rd, s)["models"] if x["name"] == M]
     assert rec["queued"] == 3
-    assert rec["queued_by_user"] == {"ann": 1, keys.ANONYMOUS: 1, "bob": 1}
+    # Subjects shown as /admin/usage shows them: users by name, anonymous callers as '-'.
+    assert rec["queued_by_user"] == {"ann": 1, "-": 1, "bob": 1}
     # demand_since is the oldest queued request, wherever fair queueing placed it.
     oldest = min(Request.loads(x).submitted for x in m.order())
     assert rd.snap.models[M].demand_since == oldest
 
 
 def test_queue_summary_is_pure() -> None:
-    a = Request("1", Kind.CHAT, M, {}, False, 5.0, user="ann").dumps()
+    a = Request("1", Kind.CHAT, M, {}, False, 5.0, user="user:ann").dumps()
     b = Request("2", Kind.CHAT, M, {}, False, 3.0).dumps()
-    assert snapshot.queue_summary([a, b, "not json"]) == (3.0, {"ann": 1, keys.ANONYMOUS: 1})
+    c = Request("3", Kind.CHAT, M, {}, False, 4.0, user="admin:ann").dumps()
+    assert snapshot.queue_summary([a, b, c, "not json"]) == (
+        3.0,
+        {"ann": 1, "-": 1, "admin:ann": 1},
+    )
     assert snapshot.queue_summary([]) == (None, {})
 
 

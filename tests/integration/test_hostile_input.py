@@ -18,7 +18,7 @@ from flask.testing import FlaskClient
 from residency import registry
 from residency.box import Box
 from residency.settings import ModelSpec
-from tests.conftest import Pool, tiny_models
+from tests.conftest import OPEN_AUTH_ENV, Pool, tiny_models
 from web import create_app
 from web.body import MAX_JSON_DEPTH
 from web.openai_api import UNKNOWN_LABEL
@@ -45,7 +45,7 @@ def client(tmp_path: Path, redis_url: str, r: redis.Redis) -> FlaskClient:
         data_dir=tmp_path,
         config_path=None,
         redis_url=redis_url,
-        environ={"RESIDENCY_ADMIN_KEY": "test-admin-key"},
+        environ={**OPEN_AUTH_ENV, "RESIDENCY_ADMIN_KEY": "test-admin-key"},
     )
     box.models_dir.mkdir(parents=True)
     for name, typ in (("tiny", "llm"), ("emb", "embedding")):

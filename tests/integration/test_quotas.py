@@ -162,7 +162,7 @@ def test_requests_per_minute_admits_exactly_the_quota_across_processes(
         assert e.status == 429 and e.code == "quota_exceeded"
         assert e.message.startswith("user 'ann' reached its quota of 7 requests per minute;")
         assert e.retry_after is not None and 1 <= e.retry_after <= 60
-    assert r.zcard(keys.quota_rate("user", "ann")) == 7
+    assert r.zcard(keys.quota_rate("user", "user:ann")) == 7
     # Another user has a window of its own.
     assert quota.admit(r, Scripts(r), user("bob", requests_per_minute=7), "a", hold_s=60)
 
@@ -182,17 +182,17 @@ def test_a_request_must_fit_both_its_user_and_its_key_and_a_refusal_takes_nothin
     first.release(s)
     assert r.zcard(keys.quota_concurrent("key", "k1")) == 0
     assert quota.admit(r, s, p, "a", hold_s=60) is not None
-    assert r.zcard(keys.quota_rate("user", "ann")) == 2
+    assert r.zcard(keys.quota_rate("user", "user:ann")) == 2
 
 
 def test_an_expired_place_in_flight_is_taken_back(r: redis.Redis) -> None:
     """A web process that died holding a place leaks it only until its request's deadline."""
     s = Scripts(r)
     p = user("ann", concurrent=1)
-    r.zadd(keys.quota_concurrent("user", "ann"), {"dead-process": 1.0})  # expired long ago
+    r.zadd(keys.quota_concurrent("user", "user:ann"), {"dead-process": 1.0})  # expired long ago
     ticket = quota.admit(r, s, p, "a", hold_s=60)
     assert ticket is not None
-    assert r.zrange(keys.quota_concurrent("user", "ann"), 0, -1) == [ticket.id]
+    assert r.zrange(keys.quota_concurrent("user", "user:ann"), 0, -1) == [ticket.id]
 
 
 def test_no_quotas_cost_nothing(r: redis.Redis) -> None:
@@ -217,7 +217,7 @@ def test_daily_quotas_read_the_days_totals(r: redis.Redis) -> None:
     assert "resets at 00:00 UTC" in e.value.message
     assert e.value.retry_after is not None and 1 <= e.value.retry_after <= 86400
     r.hset(day, keys.quota_field("tokens", "key", "k1"), 99)
-    r.hset(day, keys.quota_field("load_seconds", "user", "ann"), 2.5)
+    r.hset(day, keys.quota_field("load_seconds", "user", "user:ann"), 2.5)
     # Over its load-seconds: refused for a model that is not loaded (the request would load
     # it), admitted for one that is ready or loading (someone else's load).
     with pytest.raises(ApiError) as e:
@@ -275,7 +275,7 @@ def test_two_web_processes_admit_exactly_the_requests_per_minute(
             msg = refused(resp, "7 requests per minute")
             assert msg.startswith("user 'ann' reached its quota of 7 requests per minute; ")
             assert "it resets in " in msg
-    assert usage_of_float(pool.r, "ann", "a", "requests") == 7
+    assert usage_of_float(pool.r, "user:ann", "a", "requests") == 7
 
 
 def test_concurrent_quota_with_held_requests(start_pool: Callable[..., Pool]) -> None:
@@ -390,9 +390,9 @@ def test_tokens_per_day_refuses_once_the_days_tokens_are_used(
         used += resp.get_json()["usage"]["total_tokens"]
     msg = refused(ask(c, ann), "tokens per day")
     assert msg.startswith(f"user 'ann' reached its quota of 30 tokens per day ({used} used today)")
-    assert int(pool.r.hget(keys.quota_day(today()), keys.quota_field("tokens", "user", "ann"))) == (
-        used
-    )
+    assert int(
+        pool.r.hget(keys.quota_day(today()), keys.quota_field("tokens", "user", "user:ann"))
+    ) == (used)
     # Through a key with a quota of its own (unused), the user's quota still applies.
     msg = refused(ask(c, ann_k), "tokens per day")
     assert msg.startswith("user 'ann' reached its quota of 30 tokens per day")
@@ -423,10 +423,12 @@ def test_load_seconds_are_charged_to_the_causing_user_and_refuse_only_loads(
     ann, bob = caller(c, "ann", load_seconds_per_day=0.0001), caller(c, "bob")
     assert ask(c, ann, "a").status_code == 200  # within its quota (nothing used): loads a
     day = keys.quota_day(today())
-    charged = float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "ann")) or 0)
+    charged = float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "user:ann")) or 0)
     load_a = float(pool.r.hget(keys.model("a"), "load_seconds") or 0)
     assert charged > 0 and charged == pytest.approx(load_a, abs=1e-3)
-    assert usage_of_float(pool.r, "ann", "a", "load_seconds") == pytest.approx(charged, abs=1e-9)
+    assert usage_of_float(pool.r, "user:ann", "a", "load_seconds") == pytest.approx(
+        charged, abs=1e-9
+    )
     # Loaded: ann's requests for it pass; a cold one would load: refused, and nothing queued.
     assert ask(c, ann, "a").status_code == 200
     msg = refused(ask(c, ann, "b"), "load-seconds per day")

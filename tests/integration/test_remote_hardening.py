@@ -19,6 +19,7 @@ from werkzeug.serving import make_server
 from residency import registry
 from residency.box import Box
 from residency.settings import STORED, ModelSpec
+from tests.conftest import OPEN_AUTH_ENV
 from web import create_app
 
 ADMIN = "test-admin-key"
@@ -112,7 +113,11 @@ def remote() -> Iterator[Remote]:
 def make_client(
     tmp_path: Path, redis_url: str, *, allow_local: bool, allow_private: bool = False
 ) -> FlaskClient:
-    env = {"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "10"}
+    env = {
+        **OPEN_AUTH_ENV,
+        "RESIDENCY_ADMIN_KEY": ADMIN,
+        "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "10",
+    }
     if allow_local:
         env["RESIDENCY_SERVER_ALLOW_LOCAL_REMOTES"] = "true"
     if allow_private:

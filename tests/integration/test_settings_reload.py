@@ -18,7 +18,7 @@ from flask.testing import FlaskClient
 from residency import keys, registry
 from residency.box import Box
 from residency.settings import ModelSpec
-from tests.conftest import write_config
+from tests.conftest import OPEN_AUTH_ENV, write_config
 from web import create_app
 from web.state import EXTENSION, State
 
@@ -34,7 +34,11 @@ def box(tmp_path: Path, redis_url: str, r: redis.Redis) -> Box:
         config_path=write_config(tmp_path / "config.toml", GOOD),
         redis_url=redis_url,
         # A short reply timeout, so that a request that reaches a queue fails fast.
-        environ={"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "5"},
+        environ={
+            **OPEN_AUTH_ENV,
+            "RESIDENCY_ADMIN_KEY": ADMIN,
+            "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "5",
+        },
     )
     b.models_dir.mkdir(parents=True)
     (b.models_dir / "tiny.gguf").write_bytes(b"GGUF")

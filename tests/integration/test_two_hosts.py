@@ -26,7 +26,7 @@ from flask.testing import FlaskClient
 
 from residency import keys, metrics
 from residency.box import Box, connect
-from tests.conftest import tiny_models, write_config
+from tests.conftest import OPEN_AUTH_ENV, tiny_models, write_config
 from web.app import create_app
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
@@ -121,7 +121,7 @@ def box(tmp_path: Path, redis_url: str, r: redis.Redis, models_dir: Path) -> Box
         data_dir=data,
         config_path=cfg,
         redis_url=redis_url,
-        environ={"RESIDENCY_ADMIN_KEY": "test-admin-key"},
+        environ={**OPEN_AUTH_ENV, "RESIDENCY_ADMIN_KEY": "test-admin-key"},
     )
 
 
@@ -294,7 +294,7 @@ def test_loads_go_where_the_ledger_has_room_and_a_lost_hosts_model_makes_room_el
         data_dir=tmp_path / "ledger-data",
         config_path=cfg,
         redis_url=redis_url,
-        environ={"RESIDENCY_ADMIN_KEY": "test-admin-key"},
+        environ={**OPEN_AUTH_ENV, "RESIDENCY_ADMIN_KEY": "test-admin-key"},
     )
     # alpha holds one of them, beta two (counted by estimate or measurement, each within 15%
     # of the other: 1 x 1.15 < 1.3 < 2 x 0.85 and 2 x 1.15 < 2.42 < 3 x 0.85).

@@ -25,6 +25,7 @@ from residency.messages import ReplyType, Request
 from residency.redis_server import EmbeddedRedis
 from residency.settings import ModelSpec
 from residency.work import add_reply
+from tests.conftest import OPEN_AUTH_ENV
 from web import create_app
 from web.state import PROBE_TIMEOUT_S
 
@@ -45,7 +46,11 @@ def box(tmp_path: Path, redis_url: str) -> Box:
         config_path=None,
         redis_url=redis_url,
         # A short reply timeout, so that a test whose fake model never answers fails fast.
-        environ={"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "10"},
+        environ={
+            **OPEN_AUTH_ENV,
+            "RESIDENCY_ADMIN_KEY": ADMIN,
+            "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "10",
+        },
     )
     b.models_dir.mkdir(parents=True)
     (b.models_dir / "tiny.gguf").write_bytes(b"GGUF")
@@ -474,7 +479,7 @@ def test_redis_down_is_503(tmp_path: Path) -> None:
         data_dir=tmp_path,
         config_path=None,
         redis_url=f"unix://{tmp_path}/absent.sock",
-        environ={"RESIDENCY_ADMIN_KEY": ADMIN},
+        environ={**OPEN_AUTH_ENV, "RESIDENCY_ADMIN_KEY": ADMIN},
     )
     client = create_app(box).test_client()
     resp = client.post("/v1/chat/completions", json=CHAT)
@@ -490,7 +495,11 @@ def test_redis_stopped_mid_run_is_503_until_it_is_back(tmp_path: Path) -> None:
         data_dir=tmp_path,
         config_path=None,
         redis_url=server.start(),
-        environ={"RESIDENCY_ADMIN_KEY": ADMIN, "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "5"},
+        environ={
+            **OPEN_AUTH_ENV,
+            "RESIDENCY_ADMIN_KEY": ADMIN,
+            "RESIDENCY_SERVER_REQUEST_TIMEOUT_S": "5",
+        },
     )
     try:
         app = create_app(box)

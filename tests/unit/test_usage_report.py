@@ -8,20 +8,24 @@ import pytest
 
 from residency.usage import MAX_DAYS, RangeError, parse_range, render, summarize
 
+# Fields are keyed by subject (residency.auth.subject_of); reports show users by name.
 DAYS = [
     (
         "2025-01-01",
         {
-            "ann|a|requests": "2",
-            "ann|a|prompt_tokens": "20",
-            "ann|a|completion_tokens": "7",
-            "ann|a|load_seconds": "1.25",
-            "-|b|requests": "1",
-            "-|b|prompt_tokens": "5",
-            "-|b|completion_tokens": "3",
+            "user:ann|a|requests": "2",
+            "user:ann|a|prompt_tokens": "20",
+            "user:ann|a|completion_tokens": "7",
+            "user:ann|a|load_seconds": "1.25",
+            "anon|b|requests": "1",
+            "anon|b|prompt_tokens": "5",
+            "anon|b|completion_tokens": "3",
         },
     ),
-    ("2025-01-02", {"ann|b|requests": "1", "ann|b|prompt_tokens": "4", "x|y|unknown": "9"}),
+    (
+        "2025-01-02",
+        {"user:ann|b|requests": "1", "user:ann|b|prompt_tokens": "4", "x|y|unknown": "9"},
+    ),
 ]
 
 
@@ -51,6 +55,17 @@ def test_filters() -> None:
     assert summarize(DAYS, user="-")["total"]["completion_tokens"] == 3
     # A day with nothing for the filter is still a day of the report.
     assert summarize(DAYS, user="bob")["days"]["2025-01-01"]["requests"] == 0
+
+
+def test_an_admin_token_is_shown_apart_from_the_user_of_its_name() -> None:
+    day = {
+        "user:ops|a|requests": "1",
+        "admin:ops|a|requests": "5",
+        "ops|a|requests": "2",  # counted before subjects were namespaced: shown as it was
+    }
+    rep = summarize([("2025-01-01", day)])
+    assert {u: x["requests"] for u, x in rep["users"].items()} == {"ops": 3, "admin:ops": 5}
+    assert summarize([("2025-01-01", day)], user="admin:ops")["total"]["requests"] == 5
 
 
 def test_ranges() -> None:
