@@ -331,9 +331,9 @@ def test_caps_allow_their_limit(start_pool: Callable[..., Pool], models_dir: Pat
         out = resp.get_json()
         assert out["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
         assert out["usage"]["prompt_tokens"] > 0
-        assert usage_of(pool.r, "-", "a")["requests"] == n  # served by the model process
+        assert usage_of(pool.r, "anon", "a")["requests"] == n  # served by the model process
     # The tools were in the prompt it was given.
-    assert usage_of(pool.r, "-", "a")["prompt_tokens"] > 2 * MAX_TOOLS
+    assert usage_of(pool.r, "anon", "a")["prompt_tokens"] > 2 * MAX_TOOLS
 
 
 def test_embedding_inputs_are_capped(client: FlaskClient) -> None:

@@ -178,7 +178,7 @@ def test_a_request_must_fit_both_its_user_and_its_key_and_a_refusal_takes_nothin
         quota.admit(r, s, p, "a", hold_s=60)
     assert e.value.message.startswith("API key 'k1' of user 'ann' reached its quota of 1 ")
     # The refused request took no place in its user's window.
-    assert r.zcard(keys.quota_rate("user", "ann")) == 1
+    assert r.zcard(keys.quota_rate("user", "user:ann")) == 1
     first.release(s)
     assert r.zcard(keys.quota_concurrent("key", "k1")) == 0
     assert quota.admit(r, s, p, "a", hold_s=60) is not None
@@ -240,7 +240,7 @@ def test_a_reservation_holds_until_released_once_and_lapses_with_its_day(r: redi
     p = user("ann", key="k1", key_quotas=Quotas(tokens_per_day=500), tokens_per_day=100)
     first = quota.admit(r, s, p, "a", hold_s=60, reserve=60)
     assert first is not None
-    for subject, name in (("user", "ann"), ("key", "k1")):
+    for subject, name in (("user", "user:ann"), ("key", "k1")):
         assert int(r.hget(day, keys.quota_field("reserved", subject, name))) == 60
     second = quota.admit(r, s, p, "a", hold_s=60, reserve=60)  # 60 < 100: admitted
     assert second is not None
@@ -252,7 +252,7 @@ def test_a_reservation_holds_until_released_once_and_lapses_with_its_day(r: redi
     assert e.value.retry_after is not None and e.value.retry_after <= quota.MAX_RETRY_S
     first.release(s)
     first.release(s)  # given back once
-    assert int(r.hget(day, keys.quota_field("reserved", "user", "ann"))) == 60
+    assert int(r.hget(day, keys.quota_field("reserved", "user", "user:ann"))) == 60
     assert quota.admit(r, s, p, "a", hold_s=60, reserve=1) is not None
     # What a web process that died still holds lapses with the day's hash.
     assert 0 < r.ttl(day) <= keys.QUOTA_DAY_TTL_S
@@ -285,7 +285,7 @@ def test_concurrent_quota_with_held_requests(start_pool: Callable[..., Pool]) ->
     ann, bob = caller(c, "ann", concurrent=2), caller(c, "bob")
     assert ask(c, bob).status_code == 200  # a is loaded
     faults(c, hold={"a": True})
-    conc = keys.quota_concurrent("user", "ann")
+    conc = keys.quota_concurrent("user", "user:ann")
     held = [in_thread(lambda: ask(app.test_client(), ann)) for _ in range(2)]
     pool.wait_for(lambda: pool.r.zcard(conc) == 2, what="two of ann's requests in flight")
     # Many at once beside them: every one refused, none takes a place.
@@ -368,11 +368,11 @@ def test_twenty_requests_at_once_spend_at_most_one_request_over_the_tokens_per_d
         served.append(resp.get_json()["usage"]["total_tokens"])
     assert "resets at 00:00 UTC" in refused(resp, "tokens per day")
     day = keys.quota_day(today())
-    charged = int(pool.r.hget(day, keys.quota_field("tokens", "user", "ann")))
+    charged = int(pool.r.hget(day, keys.quota_field("tokens", "user", "user:ann")))
     assert charged == sum(served)
     assert limit <= charged <= limit + one_max
     # Every reservation was given back.
-    assert pool.r.hget(day, keys.quota_field("reserved", "user", "ann")) is None
+    assert pool.r.hget(day, keys.quota_field("reserved", "user", "user:ann")) is None
     assert not [f for f in pool.r.hkeys(day) if f.startswith("hold|")]
 
 
@@ -408,7 +408,7 @@ def test_key_tokens_are_counted_per_key(start_pool: Callable[..., Pool]) -> None
     assert spent >= 5
     day = keys.quota_day(today())
     assert int(pool.r.hget(day, keys.quota_field("tokens", "key", k.key_id))) == spent
-    assert int(pool.r.hget(day, keys.quota_field("tokens", "user", "cy"))) == spent
+    assert int(pool.r.hget(day, keys.quota_field("tokens", "user", "user:cy"))) == spent
     msg = refused(ask(c, k), "tokens per day")
     assert msg.startswith(f"API key '{k.key_id}' of user 'cy' reached its quota of 5 tokens")
     # Another key of the same user has a day of its own.
@@ -436,8 +436,8 @@ def test_load_seconds_are_charged_to_the_causing_user_and_refuse_only_loads(
     assert pool.r.llen(keys.queue("b")) == 0 and pool.state("b") == "unloaded"
     # Bob's request loads b: charged to bob, not ann; then ann may use b.
     assert ask(c, bob, "b").status_code == 200
-    assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "bob")) or 0) > 0
-    assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "ann"))) == charged
+    assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "user:bob")) or 0) > 0
+    assert float(pool.r.hget(day, keys.quota_field("load_seconds", "user", "user:ann"))) == charged
     assert ask(c, ann, "b").status_code == 200
 
 
@@ -568,16 +568,16 @@ def test_a_router_generates_only_for_an_admitted_caller_and_is_charged_to_it(
         day = pool.r.hgetall(keys.usage(today()))
         return sum(int(v) for f, v in day.items() if f.endswith("|c|requests"))
 
-    assert helper_requests() == 2 and usage_of_float(pool.r, "ann", "c", "requests") == 2
+    assert helper_requests() == 2 and usage_of_float(pool.r, "user:ann", "c", "requests") == 2
     for resp in at_once(6, lambda i: ask(app_for(pool).test_client(), ann, "judge")):
         refused(resp, "2 requests per minute")
     assert helper_requests() == 2  # no router generation for a refused caller
     # The router's tokens are the caller's: its user's and its key's.
     spent = sum(
-        usage_of_float(pool.r, "ann", m, k)
+        usage_of_float(pool.r, "user:ann", m, k)
         for m in ("a", "c")
         for k in ("prompt_tokens", "completion_tokens")
     )
-    assert usage_of_float(pool.r, "ann", "c", "prompt_tokens") > 0
+    assert usage_of_float(pool.r, "user:ann", "c", "prompt_tokens") > 0
     day = keys.quota_day(today())
     assert int(pool.r.hget(day, keys.quota_field("tokens", "key", ann.key_id)) or 0) == spent

@@ -65,17 +65,17 @@ def test_remote_usage_is_counted_and_its_tokens_per_day_obeyed(
     ann = caller(c, "ann", key_quotas={"tokens_per_day": 1000}, tokens_per_day=30)
     total = USAGE["total_tokens"]
     assert ask(c, ann, "up").status_code == 200
-    assert usage_of(r, "ann", "up") == {
+    assert usage_of(r, "user:ann", "up") == {
         "requests": 1,
         "prompt_tokens": USAGE["prompt_tokens"],
         "completion_tokens": USAGE["completion_tokens"],
     }
-    assert tokens_of(r, "user", "ann") == total and tokens_of(r, "key", ann.key_id) == total
+    assert tokens_of(r, "user", "user:ann") == total and tokens_of(r, "key", ann.key_id) == total
     assert ask(c, ann, "up").status_code == 200  # 18 < 30
     msg = refused(ask(c, ann, "up"), "tokens per day")
     assert msg.startswith(f"user 'ann' reached its quota of 30 tokens per day ({2 * total} used")
     assert upstream.hits == ["usage", "usage"]  # the refused one was never sent
-    assert usage_of(r, "ann", "up")["requests"] == 2
+    assert usage_of(r, "user:ann", "up")["requests"] == 2
 
 
 def test_a_remote_stream_reports_its_usage_to_the_box_not_to_a_client_that_did_not_ask(
@@ -92,8 +92,8 @@ def test_a_remote_stream_reports_its_usage_to_the_box_not_to_a_client_that_did_n
     assert [ch["choices"][0]["delta"]["content"] for ch in chunks] == ["hel", "lo"]
     assert not any("usage" in ch for ch in chunks)
     assert upstream.bodies[-1]["stream_options"] == {"include_usage": True}
-    assert usage_of(r, "ann", "up")["prompt_tokens"] == USAGE["prompt_tokens"]
-    assert tokens_of(r, "user", "ann") == USAGE["total_tokens"]
+    assert usage_of(r, "user:ann", "up")["prompt_tokens"] == USAGE["prompt_tokens"]
+    assert tokens_of(r, "user", "user:ann") == USAGE["total_tokens"]
     # A client that asked for it gets it.
     resp = ask(c, ann, "up", stream=True, stream_options={"include_usage": True})
     chunks = [
@@ -102,7 +102,7 @@ def test_a_remote_stream_reports_its_usage_to_the_box_not_to_a_client_that_did_n
         if e and e != "data: [DONE]"
     ]
     assert chunks[-1]["usage"] == USAGE
-    assert tokens_of(r, "user", "ann") == 2 * USAGE["total_tokens"]
+    assert tokens_of(r, "user", "user:ann") == 2 * USAGE["total_tokens"]
 
 
 def test_a_remote_without_usage_is_charged_an_upper_bound(
@@ -113,7 +113,7 @@ def test_a_remote_without_usage_is_charged_an_upper_bound(
     ann = caller(c, "ann")
     assert ask(c, ann, "plain").status_code == 200
     prompt = quota.prompt_bytes({"messages": MESSAGES})
-    assert usage_of(r, "ann", "plain") == {
+    assert usage_of(r, "user:ann", "plain") == {
         "requests": 1,
         "prompt_tokens": prompt,
         "completion_tokens": len(b"hi"),
@@ -129,4 +129,4 @@ def test_remote_requests_obey_the_per_minute_quota_at_once(
     codes = sorted(x.status_code for x in at_once(10, lambda i: ask(c, ann, "up")))
     assert codes == [200] * 3 + [429] * 7
     assert upstream.hits == ["usage"] * 3
-    assert usage_of(r, "ann", "up")["requests"] == 3
+    assert usage_of(r, "user:ann", "up")["requests"] == 3

@@ -132,8 +132,8 @@ def test_a_user_with_three_times_the_queue_bound_cannot_shut_another_out(
     assert gone.get_json()["error"]["code"] == "queue_full"
     assert int(gone.headers["Retry-After"]) >= admission.MIN_RETRY_S
     now = queued(pool, M)
-    assert [r.user for r in now].count("bob") == 1 and len(now) == 4
-    assert {r.id for r in now if r.user == "alice"} == set(mine[1:])
+    assert [r.user for r in now].count("user:bob") == 1 and len(now) == 4
+    assert {r.id for r in now if r.user == "user:alice"} == set(mine[1:])
     # The refusals said when to retry too.
     assert all(int(a.headers["Retry-After"]) >= 1 for a in alice.answers)
     faults(c, hold={M: False})
@@ -172,7 +172,7 @@ def test_a_full_worker_makes_room_for_a_user_within_its_share(
     assert int(gone.headers["Retry-After"]) >= admission.MIN_RETRY_S
     pool.wait_for(lambda: len(queued(pool, M)) == 2, what="bob queued")
     now = queued(pool, M)
-    assert sorted(r.user for r in now) == ["alice", "bob"] and newest not in {r.id for r in now}
+    assert sorted(r.user for r in now) == ["user:alice", "user:bob"] and newest not in {r.id for r in now}
     faults(c, hold={M: False})
     bob.join()
     alice.join()
