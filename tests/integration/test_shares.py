@@ -172,7 +172,9 @@ def test_a_full_worker_makes_room_for_a_user_within_its_share(
     assert int(gone.headers["Retry-After"]) >= admission.MIN_RETRY_S
     pool.wait_for(lambda: len(queued(pool, M)) == 2, what="bob queued")
     now = queued(pool, M)
-    assert sorted(r.user for r in now) == ["user:alice", "user:bob"] and newest not in {r.id for r in now}
+    assert sorted(r.user for r in now) == ["user:alice", "user:bob"] and newest not in {
+        r.id for r in now
+    }
     faults(c, hold={M: False})
     bob.join()
     alice.join()
