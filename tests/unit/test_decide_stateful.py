@@ -17,7 +17,7 @@ pass and every step it checks:
 - a model is made to yield only when a waiter waited ``max_busy_s`` for a slot that busy models
   hold, never when pinned, loaded less than ``min_resident_s`` ago or while another resident of
   its pool yields; a yielding model takes no new request, and the slot it gave up never goes
-  back to it while the model it yielded to still waits;
+  back to it while the model it yielded to still waits and could take it (its bytes fit);
 - a pass never admits a load into a full pool, never loads a model that already holds a slot,
   and never loads one model twice (single flight);
 - every request that arrived is served, rejected with an answer, queued or in flight (none lost);
@@ -254,6 +254,16 @@ class PoolMachine(RuleBasedStateMachine):
             assert held + n <= limit, f"{n} load(s) into a full {typ} pool ({held}/{limit})"
         # Rule 4: one pass shrinks a pool all the way; no idle, unpinned resident is left over.
         evicted = {a.model for a in evicts}
+        # Residents evicted by bytes, and the waiter each makes room for (the Wait after them).
+        room_for: dict[str, str] = {}
+        making: list[str] = []
+        for a in actions:
+            if isinstance(a, Evict) and a.reason == "room":
+                making.append(a.model)
+            elif isinstance(a, Wait) and making:
+                room_for.update(dict.fromkeys(making, a.model))
+                making = []
+        assert not making, f"room made for nobody: {making}"
         for typ, limit in snap.limits.items():
             held = [
                 m
@@ -279,7 +289,17 @@ class PoolMachine(RuleBasedStateMachine):
                 and snap.models[a.model].type == typ
                 and snap.models[a.model].pool == STANDARD
             ]
-            assert not shrunk or len(held) + len(coming) >= limit, (
+            # A resident evicted by bytes for a waiter of another pool on its device (reason
+            # "room": the ledger is per device, not per pool) left for that waiter, not for the
+            # shrink: it does not count as shrunk.
+            lent = [
+                v
+                for v, w in room_for.items()
+                if snap.models[v].type == typ
+                and snap.models[v].slot_pool == STANDARD
+                and (snap.models[w].type, snap.models[w].pool) != (typ, STANDARD)
+            ]
+            assert not shrunk or len(held) + len(lent) + len(coming) >= limit, (
                 f"{typ} pool shrunk below {limit}: {shrunk}"
             )
         # The ledger: a device within its budget stays within it (loads planned only where their
@@ -334,6 +354,9 @@ class PoolMachine(RuleBasedStateMachine):
         pools = Counter((snap.models[y.model].type, snap.models[y.model].slot_pool) for y in yields)
         assert all(n == 1 for n in pools.values()), f"several yields in one pool: {yields}"
         loads = {a.model for a in actions if isinstance(a, Load)}
+        # A yielding model reaped in this pass (its host gone) holds no slot any more: another
+        # resident may yield to a waiter in the same pass.
+        reaped = {a.model for a in actions if isinstance(a, Reap)}
         for y in yields:
             m, w = snap.models[y.model], snap.models[y.for_model]
             assert m.state is S.READY and m.busy and not m.pinned and not m.is_yielding, m
@@ -342,7 +365,11 @@ class PoolMachine(RuleBasedStateMachine):
             assert snap.now - w.demand_since >= snap.max_busy_s, f"{w.name} did not wait long"
             assert (w.type, w.pool) == (m.type, m.slot_pool) and not w.occupying
             assert not any(
-                v.is_yielding and v.slot_pool == m.slot_pool and v.type == m.type and not v.pinned
+                v.is_yielding
+                and v.slot_pool == m.slot_pool
+                and v.type == m.type
+                and not v.pinned
+                and v.name not in reaped
                 for v in snap.models.values()
             ), f"{y.model} made to yield while another model of its pool yields"
         for a in actions:
@@ -365,9 +392,55 @@ class PoolMachine(RuleBasedStateMachine):
                 or waiter.explicit == "unload"
                 or (waiter.type, waiter.pool) != (m.type, m.pool)
                 or backoff_until(waiter, snap) is not None
+                # The waiter keeps its place first in line, but a free slot it cannot take (its
+                # bytes fit on no live device beside what is held and what was planned before
+                # it) goes to the next model, the one that gave way included: a load never
+                # starts where it does not fit, and the waiter's turn comes by room made or a
+                # yield, which frees a slot of its pool as well as the bytes.
+                or self.fits_nowhere(snap, waiter, actions)
             ):
                 continue
             assert waiter.name in loads, f"{name} took back the slot it gave to {waiter.name}"
+
+    @staticmethod
+    def fits_nowhere(snap: Snapshot, w: ModelView, actions: list[Action]) -> bool:
+        """Whether ``w``'s bytes fit on no live device when its turn in the pass came: beside
+        what the devices hold and the loads planned before it (those of pools decided earlier,
+        and of its own pool's older demand)."""
+        order = [(pool, typ) for pool in (STANDARD, HELPER) for typ in sorted(set(TYPES.values()))]
+        mine = order.index((w.pool, w.type))
+
+        def before(v: ModelView) -> bool:
+            at = order.index((v.pool, v.type))
+            return at < mine or (
+                at == mine
+                and v.demand_since is not None
+                and w.demand_since is not None
+                and v.demand_since <= w.demand_since
+                and not v.yielding
+            )
+
+        for h, worker in snap.workers.items():
+            if not worker.alive:
+                continue
+            for d in worker.devices:
+                budget = worker.budgets.get(d)
+                if budget is None:
+                    return False
+                used = sum(
+                    v.bytes_held
+                    for v in snap.models.values()
+                    if v.occupying and (v.host, v.device) == (h, d)
+                ) + sum(
+                    SIZES[a.model]
+                    for a in actions
+                    if isinstance(a, Load)
+                    and (a.host, a.device) == (h, d)
+                    and before(snap.models[a.model])
+                )
+                if w.need_on(d) <= budget - used:
+                    return False
+        return True
 
     def one_yield_per_pool(self) -> None:
         yielding = Counter(
@@ -645,9 +718,10 @@ class PoolMachine(RuleBasedStateMachine):
                 )
         for m in snap.models.values():
             assert not (m.occupying and not m.registered and not m.pinned), f"{m.name} deleted"
-            assert not (m.occupying and m.slot_pool == HELPER and m.pool != HELPER), (
-                f"unused helper {m.name} kept"
-            )
+            # A pinned one stays: no pinned model is a victim for any reason but an admin unload.
+            assert not (
+                m.occupying and m.slot_pool == HELPER and m.pool != HELPER and not m.pinned
+            ), f"unused helper {m.name} kept"
             assert not (m.state in (S.READY, S.DRAINING) and not self.models[m.name].process), (
                 f"{m.name} left {m.state} without a process"
             )
@@ -669,7 +743,14 @@ class PoolMachine(RuleBasedStateMachine):
             assert (m.host is not None) == m.occupying, replace(m)
 
 
+# Derandomized: CI runs the same examples every time, so a failure here is a finding (a rule of
+# the decision or of this simulation broken), never noise; explore new seeds locally with a
+# copy at more examples and derandomize off.
 PoolMachine.TestCase.settings = settings(
-    max_examples=400, stateful_step_count=50, deadline=None, print_blob=True
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    print_blob=True,
+    derandomize=True,
 )
 TestPool = PoolMachine.TestCase
