@@ -147,6 +147,7 @@ class Effects:
             "spec": entry.spec.model_dump(),
             "fault_injection": s.debug.fault_injection,
             "grammar_budget_s": s.worker.grammar_budget_s,
+            "slot_share_grace_s": s.worker.slot_share_grace_s,
             "model_dirs": registry.load_dirs(entry, self.models_dir, s),
             "limits_generation": self.limits_generation,
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from functools import cache
 from importlib.resources import files
 from typing import Any
@@ -185,6 +186,7 @@ class Scripts:
                 "release",
                 "charge",
                 "principal",
+                "take_share",
             )
         }
 
@@ -634,6 +636,17 @@ class Scripts:
         if _s(res) == "not_leader":
             raise NotLeader(f"rejecting a request of {model} refused")
         return bool(res)
+
+    def take_share(self, model: str, capped: Iterable[str], depth: int) -> str | None:
+        """Move the first of ``model``'s queued requests (in service order, at most ``depth``
+        deep) whose user is not in ``capped`` into processing and return it; None when none of
+        them may take a slot (slot shares, see workers/slot_shares.py)."""
+        res = self._run(
+            "take_share",
+            [keys.queue(model), keys.processing(model), keys.queue_finish(model)],
+            [depth, *sorted(capped)],
+        )
+        return _s(res) if res else None
 
     def withdraw(self, model: str, request_id: str, item: str, *, cancel: bool) -> bool:
         """Take ``item`` out of ``model``'s queue if no model process took it yet (True);

@@ -55,6 +55,9 @@ class Request:
     # cached prompt prefixes it may reuse. Stamped per request, so a change applies to the
     # next request without a reload.
     cache_scope: str = "user"
+    # The weight of the caller's key when web submitted it: its share of the model's turns, of
+    # its queue and of the model process's slots. Older JSON has none: 1.
+    weight: float = 1.0
 
     def dumps(self) -> str:
         # ``id`` is the first field, written first: the Lua scripts read a queued request's id
@@ -76,6 +79,7 @@ class Request:
             user=str(d.get("user", "")),
             key=str(d.get("key", "")),
             cache_scope=str(d.get("cache_scope", "user")),
+            weight=float(d.get("weight", 1.0)),
         )
 
 

@@ -246,6 +246,17 @@ class WorkerSettings(_Strict):
         ge=0,
         le=3600,
     )
+    slot_share_grace_s: float = _key(
+        0.25,
+        NEXT_LOAD,
+        "slot shares between a model's users: a user may take a free slot of a model process "
+        "only below its share (slots x weight / the weights of its active users) while another "
+        "active user is below its own; a user stays active this long after its last request "
+        "there ended (the gap before its next one arrives); 0 = off: any request takes a free "
+        "slot",
+        ge=0,
+        le=60,
+    )
     forget_after_s: float = _key(
         600.0,
         LIVE,

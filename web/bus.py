@@ -323,6 +323,7 @@ def submit(
         user=user,
         key=key,
         cache_scope=cache_scope,
+        weight=weight,
     )
     item = req.dumps()
     push_out: tuple[str, dict[str, Any]] | None = None

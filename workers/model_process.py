@@ -34,6 +34,7 @@ from workers.engine import EngineDied
 from workers.faults import FaultyRuntime, StepFaults
 from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.runtime import LlamaRuntime, Runtime
+from workers.slot_shares import SlotShares
 
 log = logging.getLogger("residency.model")
 T = TypeVar("T")
@@ -51,6 +52,13 @@ FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at mos
 SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
 # For a load command that carries none (written by an older coordinator).
 GRAMMAR_BUDGET_S = float(WorkerSettings.model_fields["grammar_budget_s"].default)
+SLOT_SHARE_GRACE_S = float(WorkerSettings.model_fields["slot_share_grace_s"].default)
+# How long a slot held for a user below its share waits before the queue is looked at again
+# (a finish here ends the wait at once): that user's next request is taken at most this late.
+HOLD_POLL_S = 0.01
+# How deep into the queue a contended take looks for a request of a user below its share
+# (each look copies one queued request inside Redis: bounded per try).
+SHARE_DEPTH = 16
 
 
 class ModelProcess:
@@ -66,6 +74,7 @@ class ModelProcess:
         stop: threading.Event,
         limits_generation: int = 0,
         model_dirs: list[str] | None = None,
+        slot_share_grace_s: float = SLOT_SHARE_GRACE_S,
     ) -> None:
         self.r = r
         # Folders the model file's real path must lie in at load (None: a config-file model).
@@ -96,6 +105,10 @@ class ModelProcess:
         # What stopped the runtime's engine thread: the process then takes nothing more and
         # exits (procs.ENGINE_DIED_EXIT) instead of answering every request with an error.
         self.engine_error: BaseException | None = None
+        # Slot shares between users ([worker] slot_share_grace_s); sized at serve().
+        self.slot_share_grace_s = slot_share_grace_s
+        self.shares = SlotShares(1, slot_share_grace_s, time.monotonic)
+        self._finished = threading.Event()  # set when a request leaves its slot
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -213,6 +226,7 @@ class ModelProcess:
         # One thread per slot serves a request from its queue entry to its last reply; the
         # runtime decodes all of them together.
         self._free = threading.Semaphore(self.parallel)
+        self.shares = SlotShares(self.parallel, self.slot_share_grace_s, time.monotonic)
         self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="request")
 
         def step() -> bool:  # True: exit (stopped, its engine dead, unloaded, or not the owner)
@@ -230,30 +244,20 @@ class ModelProcess:
 
     def serve_once(self, waker: Waker) -> bool:
         """Take at most one request while a slot is free (none while the model yields its slot:
-        then wait for the unload instead) and start serving it, then look at control and (every
-        OWNERSHIP_CHECK_S) ownership; True when the process should exit: it unloaded, or its
-        state is no longer its own (reaped, or lost with a Redis that restarted empty)."""
+        then wait for the unload instead; none of a user at its slot share while another active
+        user is below its own: then one of that user's, or hold the slot a moment) and start
+        serving it, then look at control and (every OWNERSHIP_CHECK_S) ownership; True when the
+        process should exit: it unloaded, or its state is no longer its own (reaped, or lost
+        with a Redis that restarted empty)."""
         if self.yielding:
             self._await_control(waker)
         elif self._take_slot():
-            try:
-                with waker.reading() as blocking:
-                    raw = blmove(
-                        blocking,
-                        keys.queue(self.model),
-                        keys.processing(self.model),
-                        TAKE_WAIT_S,
-                        "RIGHT",
-                        "LEFT",
-                    )
-            except BaseException:
-                self._free.release()
-                raise
-            if raw is None:
-                self._free.release()
+            self._finished.clear()  # before the decision: a finish after it ends the hold
+            capped = self.shares.capped()
+            if capped:
+                self._take_share(capped)
             else:
-                self._in_flight.add(raw)
-                self._pool.submit(self._serve_request, raw)
+                self._take(waker)
         if self.check_control() == "unloaded":
             return True
         if time.monotonic() >= self._next_check:
@@ -263,6 +267,71 @@ class ModelProcess:
                 return True
             self.hand_back_orphans()
         return False
+
+    def _take(self, waker: Waker) -> None:
+        """Take the queue head into the slot already acquired (waiting up to TAKE_WAIT_S for
+        one) and start serving it; the slot is released when nothing came."""
+        try:
+            with waker.reading() as blocking:
+                raw = blmove(
+                    blocking,
+                    keys.queue(self.model),
+                    keys.processing(self.model),
+                    TAKE_WAIT_S,
+                    "RIGHT",
+                    "LEFT",
+                )
+        except BaseException:
+            self._free.release()
+            raise
+        if raw is None:
+            self._free.release()
+        else:
+            self._started(raw)
+
+    def _user_of(self, raw: str) -> tuple[str, float]:
+        """Who a queued request is for and its weight (a malformed one: "" and 1; handle
+        drops it)."""
+        if self.slot_share_grace_s <= 0:
+            return "", 1.0  # shares off: nothing reads them
+        try:
+            req = Request.loads(raw)
+        except (ValueError, KeyError, TypeError):
+            return "", 1.0
+        return req.user, req.weight
+
+    def _take_share(self, capped: frozenset[str]) -> None:
+        """With ``capped`` users at their slot share while another active user is below its
+        own: take the first queued request (in fair order, at most SHARE_DEPTH deep) of a user
+        not capped, in one script. Fair queueing usually puts such a request at the head, but
+        not always: a light user served faster than a heavy one has had more turns, and queues
+        behind some of the heavy user's requests. None: hold the free slot (it stays free: an
+        unload or a yield sees nothing more in flight) a moment, then decide again."""
+        try:
+            raw = self.scripts.take_share(self.model, capped, SHARE_DEPTH)
+        except BaseException:
+            self._free.release()
+            raise
+        if raw is None:
+            self._free.release()
+            self._hold()
+        else:
+            self._started(raw)
+
+    def _started(self, raw: str) -> None:
+        user, weight = self._user_of(raw)
+        self.shares.started(user, weight)
+        self._in_flight.add(raw)
+        self._pool.submit(self._serve_request, raw, user)
+
+    def _hold(self) -> None:
+        """Wait (bounded) for what may change a held slot's decision: a finish here, a grace
+        that ends, or (looked at again after HOLD_POLL_S) another user's request queued."""
+        wait = HOLD_POLL_S
+        until = self.shares.hold_until()
+        if until is not None:
+            wait = max(0.0, min(wait, until - time.monotonic()))
+        self._finished.wait(wait)
 
     def _engine_dead(self) -> bool:
         err = self.runtime.failure()
@@ -340,7 +409,7 @@ class ModelProcess:
         log.info("%s: unload request -> %s", self.model, res)
         return res
 
-    def _serve_request(self, raw: str) -> None:
+    def _serve_request(self, raw: str, user: str = "") -> None:
         try:
             self.handle(raw)
         except BaseException:
@@ -349,7 +418,9 @@ class ModelProcess:
             log.exception("%s: request left unfinished", self.model)
         finally:
             self._in_flight.discard(raw)
+            self.shares.finished(user)
             self._free.release()
+            self._finished.set()
 
     def handle(self, raw: str) -> None:
         try:
@@ -773,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         stop=stop,
         limits_generation=int(cmd.get("limits_generation", 0)),
         model_dirs=cmd.get("model_dirs"),
+        slot_share_grace_s=float(cmd.get("slot_share_grace_s", SLOT_SHARE_GRACE_S)),
     )
     if not proc.load():
         return 1
