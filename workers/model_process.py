@@ -289,16 +289,14 @@ class ModelProcess:
         else:
             self._started(raw)
 
-    def _user_of(self, raw: str) -> tuple[str, float]:
-        """Who a queued request is for and its weight (a malformed one: "" and 1; handle
-        drops it)."""
-        if self.slot_share_grace_s <= 0:
-            return "", 1.0  # shares off: nothing reads them
+    @staticmethod
+    def _parse(raw: str) -> Request | None:
+        """A taken request, parsed once for the slot shares and its serving (None: malformed;
+        ``handle`` drops it)."""
         try:
-            req = Request.loads(raw)
+            return Request.loads(raw)
         except (ValueError, KeyError, TypeError):
-            return "", 1.0
-        return req.user, req.weight
+            return None
 
     def _take_share(self, capped: frozenset[str]) -> None:
         """With ``capped`` users at their slot share while another active user is below its
@@ -319,10 +317,11 @@ class ModelProcess:
             self._started(raw)
 
     def _started(self, raw: str) -> None:
-        user, weight = self._user_of(raw)
-        self.shares.started(user, weight)
+        req = self._parse(raw)
+        user = req.user if req is not None else ""
+        self.shares.started(user, req.weight if req is not None else 1.0)
         self._in_flight.add(raw)
-        self._pool.submit(self._serve_request, raw, user)
+        self._pool.submit(self._serve_request, raw, req)
 
     def _hold(self) -> None:
         """Wait (bounded) for what may change a held slot's decision: a finish here, a grace
@@ -409,23 +408,24 @@ class ModelProcess:
         log.info("%s: unload request -> %s", self.model, res)
         return res
 
-    def _serve_request(self, raw: str, user: str = "") -> None:
+    def _serve_request(self, raw: str, req: Request | None) -> None:
         try:
-            self.handle(raw)
+            self.handle(raw, req)
         except BaseException:
             # Only a stop while Redis is down gets here (handle answers everything else); the
             # request stays on the processing list for the agent to hand back.
             log.exception("%s: request left unfinished", self.model)
         finally:
             self._in_flight.discard(raw)
-            self.shares.finished(user)
+            self.shares.finished(req.user if req is not None else "")
             self._free.release()
             self._finished.set()
 
-    def handle(self, raw: str) -> None:
-        try:
-            req = Request.loads(raw)
-        except (ValueError, KeyError):
+    def handle(self, raw: str, req: Request | None = None) -> None:
+        """Serve one taken request to its last reply (``req``: ``raw`` already parsed)."""
+        if req is None:
+            req = self._parse(raw)
+        if req is None:
             log.error("%s: dropping malformed request", self.model)
             self.r.lrem(keys.processing(self.model), 1, raw)
             return
