@@ -20,6 +20,7 @@ from web import (
     openai_api,
     openapi,
     ops,
+    pipeline,
     replicated,
     rerank_api,
     responses_api,
@@ -113,6 +114,7 @@ def create_app(box: Box | None = None) -> Flask:
     # An admin change is answered once a replica holds it (Sentinel-backed bus only).
     app.after_request(replicated.confirm)
     app.after_request(guard.cors)
+    app.after_request(pipeline.ignored_header)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(responses_api.bp)
     app.register_blueprint(rerank_api.bp)

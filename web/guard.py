@@ -183,6 +183,8 @@ def cors(resp: Response) -> Response:
     origin = request.headers.get("Origin")
     if origin is not None and origin.strip().lower() in rules(state()).origins:
         resp.headers["Access-Control-Allow-Origin"] = origin.strip()
-        resp.headers["Access-Control-Expose-Headers"] = "Retry-After, x-residency-route"
+        resp.headers["Access-Control-Expose-Headers"] = (
+            "Retry-After, x-residency-route, x-residency-ignored"
+        )
         resp.headers.add("Vary", "Origin")
     return resp

@@ -1,7 +1,7 @@
 """The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 A Messages request is translated (``web.anthropic``) into a chat completions request and goes
-the same way as one (``openai_api.dispatch`` inside ``openai_api._admitted``: resolution,
+the same way as one (``pipeline.dispatch`` inside ``pipeline.admitted``: resolution,
 scopes, quotas, the in-flight cap, queues, policies, limits); its answer is translated back.
 Errors on these paths use Anthropic's envelope, ``{"type": "error", "error": {...}}``.
 
@@ -23,7 +23,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from residency.errors import ApiError
 from residency.messages import REPORT_PARAM, Kind
-from web import anthropic, bus, openai_api, validation
+from web import anthropic, bus, pipeline, stream, validation
 from web.body import read_json, too_large
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,7 @@ def _internal(e: Exception) -> Response:
     return error_response(ApiError(500, "internal server error", type="server_error"))
 
 
-@bp.after_request
-def _count(resp: Response) -> Response:
-    bus.REQUESTS.labels(g.get("model_label", openai_api.UNKNOWN_LABEL), str(resp.status_code)).inc()
-    return resp
+bp.after_request(pipeline.count_request)
 
 
 def _validated(
@@ -89,7 +86,7 @@ def _validated(
 
 @bp.post("/messages")
 def messages() -> Any:
-    return openai_api._admitted(_messages)
+    return pipeline.admitted(_messages)
 
 
 def _messages() -> Any:
@@ -97,9 +94,9 @@ def _messages() -> Any:
     chat, v = _validated(body)
     # The stop string that ended the answer and, in a stream, the prompt's tokens up front.
     v.params[REPORT_PARAM] = True
-    d = openai_api.dispatch(Kind.CHAT, PATH, v, chat)
+    d = pipeline.dispatch(Kind.CHAT, PATH, v, chat)
     model = v.model
-    headers = openai_api._headers(d.target)
+    headers = pipeline.headers(d.target)
     if d.batches is not None:
         return _stream(d.batches, model, d.abandon, headers)
     assert d.result is not None
@@ -108,15 +105,43 @@ def _messages() -> Any:
 
 @bp.post("/messages/count_tokens")
 def count_tokens() -> Any:
-    return openai_api._admitted(_count_tokens)
+    return pipeline.admitted(_count_tokens)
 
 
 def _count_tokens() -> Any:
     body = read_json()
     chat, v = _validated(body, count=True)
-    d = openai_api.dispatch(Kind.CHAT, PATH, v, chat, submit_as=Kind.TOKENIZE)
+    d = pipeline.dispatch(Kind.CHAT, PATH, v, chat, submit_as=Kind.TOKENIZE)
     assert d.result is not None
     return jsonify({"input_tokens": int(d.result["input_tokens"])})
+
+
+class _Events:
+    """Anthropic's stream (``anthropic.StreamEvents``) as a ``stream.Dialect``: an error after
+    the stream started is an ``error`` event, and the message ends there."""
+
+    def __init__(self, model: str) -> None:
+        self._events = anthropic.StreamEvents(model)
+        self._done = False
+
+    def start(self) -> str:
+        return ""
+
+    def chunk(self, chunk: Any) -> str:
+        return "".join(map(anthropic.sse, self._events.feed(chunk)))
+
+    def keepalive(self) -> str:
+        return "".join(map(anthropic.sse, self._events.ping()))
+
+    def end(self) -> str:
+        if self._done:
+            return ""
+        self._done = True
+        return "".join(map(anthropic.sse, self._events.end()))
+
+    def fail(self, error: ApiError) -> str:
+        self._done = True
+        return anthropic.sse(anthropic.error_body(error))
 
 
 def _stream(
@@ -125,38 +150,5 @@ def _stream(
     on_abandon: Callable[[], None] | None,
     headers: dict[str, str],
 ) -> Response:
-    """Anthropic's events for a chat stream. As for chat: the first batch is pulled before
-    answering, so an error before any output gets its HTTP status; one after it comes as an
-    ``error`` event; a client that leaves stops the generation."""
-    events = anthropic.StreamEvents(model)
-    first = next(batches, None)
-
-    def render(b: bus.Batch) -> str:
-        out = []
-        for c in b.chunks:
-            evs = events.ping() if c is bus.KEEPALIVE else events.feed(c)
-            out += [anthropic.sse(e) for e in evs]
-        if b.last:
-            out += [anthropic.sse(e) for e in events.end()]
-        return "".join(out)
-
-    def body() -> Iterator[str]:
-        done = True
-        if first is not None:
-            yield render(first)
-            done = first.last
-            try:
-                for b in batches:
-                    yield render(b)
-                    done = b.last
-            except ApiError as e:
-                yield anthropic.sse(anthropic.error_body(e))
-                done = True
-        if first is None or not done:
-            yield "".join(anthropic.sse(e) for e in events.end())
-
-    return Response(
-        openai_api.abandon_on_exit(body(), batches, on_abandon),
-        mimetype="text/event-stream",
-        headers={**openai_api.SSE_HEADERS, **headers},
-    )
+    """Anthropic's events for a chat stream (see ``web.stream``)."""
+    return stream.response(batches, _Events(model), on_abandon, headers)

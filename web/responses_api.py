@@ -14,37 +14,25 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from flask import Blueprint, Response, g, jsonify, request
+from flask import Blueprint, Response, jsonify
 
 from residency.errors import ApiError
 from residency.messages import Kind
-from web import bus, validation
+from web import bus, stream, validation
 from web.body import read_json
-from web.openai_api import (
-    SSE_HEADERS,
-    UNKNOWN_LABEL,
-    Target,
-    _admitted,
-    _headers,
-    abandon_on_exit,
-    dispatch,
-)
+from web.pipeline import Target, admitted, count_request, dispatch, headers
 from web.responses_output import Events, Meta, from_chat, new_id
 from web.responses_request import to_chat
 
 bp = Blueprint("responses", __name__, url_prefix="/v1")
 
 
-@bp.after_request
-def _count(resp: Response) -> Response:
-    if request.method == "POST":
-        bus.REQUESTS.labels(g.get("model_label", UNKNOWN_LABEL), str(resp.status_code)).inc()
-    return resp
+bp.after_request(count_request)
 
 
 @bp.post("/responses")
 def create_response() -> Any:
-    return _admitted(_create)
+    return admitted(_create)
 
 
 def _create() -> Any:
@@ -58,11 +46,35 @@ def _create() -> Any:
         assert d.abandon is not None
         return _stream(meta, tr.echo, d.batches, d.abandon, t)
     assert d.result is not None
-    return jsonify(from_chat(d.result, tr.echo, meta)), 200, _headers(t)
+    return jsonify(from_chat(d.result, tr.echo, meta)), 200, headers(t)
 
 
 def _sse(ev: Mapping[str, Any]) -> str:
     return f"event: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n"
+
+
+class _Events:
+    """The Responses stream (``responses_output.Events``) as a ``stream.Dialect``: the
+    response's opening events first; an error after that is an ``error`` event and
+    ``response.failed``."""
+
+    def __init__(self, meta: Meta, echo: Mapping[str, Any]) -> None:
+        self._events = Events(meta, echo)
+
+    def start(self) -> str:
+        return "".join(map(_sse, self._events.start()))
+
+    def chunk(self, chunk: Mapping[str, Any]) -> str:
+        return "".join(map(_sse, self._events.feed(chunk)))
+
+    def keepalive(self) -> str:
+        return stream.KEEPALIVE
+
+    def end(self) -> str:
+        return "".join(map(_sse, self._events.finish()))
+
+    def fail(self, error: ApiError) -> str:
+        return "".join(map(_sse, self._events.fail(error.envelope()["error"])))
 
 
 def _stream(
@@ -72,36 +84,4 @@ def _stream(
     on_abandon: Callable[[], None],
     t: Target,
 ) -> Response:
-    # As chat streams do: the first batch is pulled before answering, so that an error before
-    # any output (queue full, load failed, timeout) reaches the client as an HTTP status; a
-    # later one comes as an ``error`` event and ``response.failed``. Each batch of chat chunks
-    # goes out in one write.
-    first = next(batches, None)
-    tr = Events(meta, echo)
-
-    def render(b: bus.Batch) -> str:
-        out = []
-        for c in b.chunks:
-            if c is bus.KEEPALIVE:
-                # A comment line: clients ignore it, proxies with idle timeouts see traffic.
-                out.append(": keep-alive\n\n")
-            else:
-                out += map(_sse, tr.feed(c))
-        if b.last:
-            out += map(_sse, tr.finish())
-        return "".join(out)
-
-    def events() -> Iterator[str]:
-        head = "".join(map(_sse, tr.start()))
-        try:
-            yield head + (render(first) if first is not None else "")
-            for b in batches:
-                yield render(b)
-            end = tr.finish()  # a remote's stream ends without a last batch
-        except ApiError as e:
-            end = tr.fail(e.envelope()["error"])
-        if end:
-            yield "".join(map(_sse, end))
-
-    body = abandon_on_exit(events(), batches, on_abandon)
-    return Response(body, mimetype="text/event-stream", headers=_headers(t, SSE_HEADERS))
+    return stream.response(batches, _Events(meta, echo), on_abandon, headers(t))

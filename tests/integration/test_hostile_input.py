@@ -21,7 +21,7 @@ from residency.settings import ModelSpec
 from tests.conftest import OPEN_AUTH_ENV, Pool, tiny_models
 from web import create_app
 from web.body import MAX_JSON_DEPTH
-from web.openai_api import UNKNOWN_LABEL
+from web.pipeline import UNKNOWN_LABEL
 from web.validation import (
     MAX_CONTENT_PARTS,
     MAX_EMBEDDING_INPUTS,

@@ -121,7 +121,7 @@ def test_a_client_connection_above_descriptor_1023_is_judged_open_or_closed() ->
     import resource
     import socket
 
-    from web.openai_api import _peer_closed
+    from web.pipeline import peer_closed as _peer_closed
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 2048:

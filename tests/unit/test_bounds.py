@@ -15,7 +15,7 @@ from residency.errors import ApiError
 from residency.messages import Kind, Request
 from residency.settings import ModelSpec
 from web.faults import parse_faults
-from web.openai_api import COMPLETION_DEFAULT_TOKENS, capped_params
+from web.pipeline import COMPLETION_DEFAULT_TOKENS, capped_params
 from workers.agent import Child, stalled
 from workers.gate import Gate, Reason, Stopped
 

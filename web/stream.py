@@ -1,0 +1,77 @@
+"""The one stream renderer every API shares: a generation's batches of chat (or completion)
+chunks out as server-sent events, in whichever dialect the API speaks.
+
+What is the same for every dialect lives here: the first batch is pulled before answering, so
+that an error before any output (queue full, load failed, timeout) reaches the client as a
+proper HTTP status — unless the wait outlasts the keep-alive interval: then the stream has
+started, and an error after that comes as the dialect's error event. Each batch goes out in one
+write (one HTTP chunk), the end of the stream with the last one. A stream that does not end
+normally (its client left, or it failed) stops its generation (``abandon_on_exit``).
+
+What differs is a ``Dialect``: the events it sends first, for a chunk, for a keep-alive, at the
+end and for an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+from flask import Response
+
+from residency.errors import ApiError
+from web import bus
+from web.pipeline import SSE_HEADERS, abandon_on_exit
+
+#: A comment line: clients ignore it, proxies with idle timeouts see traffic.
+KEEPALIVE = ": keep-alive\n\n"
+
+
+class Dialect(Protocol):
+    """How one API writes a stream. ``end`` is called once the generation ended (its last
+    batch, or a remote's stream that ended without one) and ``fail`` for an error after the
+    stream started; a dialect sends its end once, whichever comes (later calls give "")."""
+
+    def start(self) -> str: ...
+
+    def chunk(self, chunk: Mapping[str, Any]) -> str: ...
+
+    def keepalive(self) -> str: ...
+
+    def end(self) -> str: ...
+
+    def fail(self, error: ApiError) -> str: ...
+
+
+def render(batch: bus.Batch, dialect: Dialect) -> str:
+    out = [dialect.keepalive() if c is bus.KEEPALIVE else dialect.chunk(c) for c in batch.chunks]
+    if batch.last:
+        out.append(dialect.end())
+    return "".join(out)
+
+
+def response(
+    batches: Iterator[bus.Batch],
+    dialect: Dialect,
+    on_abandon: Callable[[], None] | None,
+    headers: Mapping[str, str],
+) -> Response:
+    """The streamed answer for ``batches`` in ``dialect``."""
+    first = next(batches, None)
+
+    def events() -> Iterator[str]:
+        head = dialect.start()
+        try:
+            if first is not None:
+                yield head + render(first, dialect)
+                head = ""
+                for b in batches:
+                    yield render(b, dialect)
+            tail = dialect.end()
+        except ApiError as e:
+            tail = dialect.fail(e)
+        if head + tail:
+            yield head + tail
+
+    body = abandon_on_exit(events(), batches, on_abandon)
+    return Response(body, mimetype="text/event-stream", headers={**SSE_HEADERS, **headers})
