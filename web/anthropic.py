@@ -20,6 +20,11 @@ from typing import Any
 from residency.errors import ApiError, bad_request
 from web.validation import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, wrong_type
 
+#: Top-level fields accepted and ignored: they change nothing this box does. No model here
+#: reasons (``thinking``), there is one service tier, and a conversation is never edited on the
+#: server (``context_management`` clears old tool results only past thresholds this box does
+#: not keep; the client's whole conversation reaches the model).
+IGNORED_FIELDS = frozenset({"context_management", "thinking", "service_tier"})
 #: Top-level fields of POST /v1/messages; anything else is refused by name.
 MESSAGE_FIELDS = frozenset(
     {
@@ -35,10 +40,16 @@ MESSAGE_FIELDS = frozenset(
         "tools",
         "tool_choice",
         "metadata",
+        "output_config",
+        *IGNORED_FIELDS,
     }
 )
 #: Top-level fields of POST /v1/messages/count_tokens.
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
+COUNT_FIELDS = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "output_config", *IGNORED_FIELDS}
+)
+#: ``output_config`` keys accepted and ignored (no model here has an effort setting).
+IGNORED_OUTPUT_CONFIG = frozenset({"effort"})
 
 _TOOL_CHOICES = ("auto", "any", "tool", "none")
 #: Content blocks that need a model that sees more than text.
@@ -65,9 +76,9 @@ _ERROR_TYPES = {
 def _unknown(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     extra = sorted(k for k in body if k not in allowed)
     if extra:
-        names = ", ".join(f"'{k}'" for k in extra)
+        others = f" (nor {', '.join(extra[1:])})" if len(extra) > 1 else ""
         raise bad_request(
-            f"unknown field{'s' if len(extra) > 1 else ''} {names}; this endpoint takes "
+            f"{extra[0]}: Extra inputs are not permitted{others}; this endpoint takes "
             + ", ".join(sorted(allowed)),
             extra[0],
             "unknown_field",
@@ -77,11 +88,17 @@ def _unknown(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
 # --- request ----------------------------------------------------------------------------------
 
 
-def to_chat(body: Mapping[str, Any], *, count: bool = False) -> dict[str, Any]:
+def to_chat(
+    body: Mapping[str, Any], *, count: bool = False, ignored: list[str] | None = None
+) -> dict[str, Any]:
     """The chat completions body a Messages request (``count``: a count_tokens request)
     stands for. Checks what is Anthropic's own (roles, blocks, tools, tool_choice); the chat
-    validation checks the rest (numbers, limits, schemas) on the result."""
+    validation checks the rest (numbers, limits, schemas) on the result. The fields accepted
+    and ignored are appended to ``ignored``."""
     _unknown(body, COUNT_FIELDS if count else MESSAGE_FIELDS)
+    if ignored is None:
+        ignored = []
+    ignored += [k for k in sorted(IGNORED_FIELDS) if k in body]
     chat: dict[str, Any] = {"model": body.get("model")}
     if not count:
         if body.get("max_tokens") is None:
@@ -124,13 +141,53 @@ def to_chat(body: Mapping[str, Any], *, count: bool = False) -> dict[str, Any]:
     meta = body.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise wrong_type("metadata", "an object", meta)
+    fmt = _output_config(body.get("output_config"), ignored)
+    if fmt is not None:
+        chat["response_format"] = fmt
     tools = body.get("tools")
+    server_tools: dict[str, str] = {}
     if tools is not None:
-        chat["tools"] = _tools(tools)
+        chat["tools"] = _tools(tools, server_tools, ignored)
+        if not chat["tools"]:
+            del chat["tools"]
     choice = body.get("tool_choice")
     if choice is not None:
-        chat["tool_choice"] = _tool_choice(choice)
+        chat["tool_choice"] = _tool_choice(choice, server_tools)
+        if "tools" not in chat and chat["tool_choice"] in ("auto", "none"):
+            del chat["tool_choice"]  # every tool was a server tool, dropped
     return chat
+
+
+def _output_config(config: Any, ignored: list[str]) -> dict[str, Any] | None:
+    """``output_config``: its ``format`` (structured output: a JSON schema the answer follows)
+    as the chat ``response_format``; ``effort`` ignored; anything else refused by name."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise wrong_type("output_config", "an object", config)
+    for k in sorted(config):
+        if k in IGNORED_OUTPUT_CONFIG:
+            ignored.append(f"output_config.{k}")
+        elif k != "format":
+            raise bad_request(
+                f"unknown field 'output_config.{k}'; output_config takes format and effort",
+                f"output_config.{k}",
+                "unknown_field",
+            )
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise wrong_type("output_config.format", "an object", fmt)
+    if fmt.get("type") != "json_schema":
+        raise bad_request(
+            f"'output_config.format.type' must be 'json_schema', got {fmt.get('type')!r}",
+            "output_config.format.type",
+        )
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise wrong_type("output_config.format.schema", "an object", schema)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
 def _text(block: Mapping[str, Any], param: str) -> str:
@@ -169,18 +226,19 @@ def _no_media(kind: Any, param: str) -> None:
         )
 
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _system(system: Any, param: str = "system") -> list[dict[str, Any]]:
     if system is None:
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}] if system else []
     texts = []
-    for j, b in enumerate(_blocks(system, "system")):
+    for j, b in enumerate(_blocks(system, param)):
         if b.get("type") != "text":
             raise bad_request(
-                f"'system[{j}].type' must be 'text', got {b.get('type')!r}", f"system[{j}].type"
+                f"'{param}[{j}].type' must be 'text', got {b.get('type')!r}",
+                f"{param}[{j}].type",
             )
-        texts.append(_text(b, f"system[{j}]"))
+        texts.append(_text(b, f"{param}[{j}]"))
     return [{"role": "system", "content": "\n".join(texts)}]
 
 
@@ -192,10 +250,16 @@ def _message(i: int, m: Any) -> list[dict[str, Any]]:
     if not isinstance(m, dict):
         raise wrong_type(p, "an object", m)
     role = m.get("role")
-    if role not in ("user", "assistant"):
-        raise bad_request(f"'{p}.role' must be 'user' or 'assistant', got {role!r}", f"{p}.role")
+    if role not in ("user", "assistant", "system"):
+        raise bad_request(
+            f"'{p}.role' must be 'user', 'assistant' or 'system', got {role!r}", f"{p}.role"
+        )
     if m.get("content") is None:
         raise bad_request(f"'{p}.content' is required", f"{p}.content", "missing_required")
+    if role == "system":
+        # Claude Code sends instructions mid-conversation this way; the model process places
+        # a system message as the model's template allows.
+        return _system(m["content"], f"{p}.content")
     blocks = _blocks(m["content"], f"{p}.content")
     if role == "assistant":
         return [_assistant(blocks, f"{p}.content")]
@@ -283,7 +347,11 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: Any, server_tools: dict[str, str], ignored: list[str]) -> list[dict[str, Any]]:
+    """The client tools as chat tools. Server tools (any other ``type``: web search, code
+    execution...) are dropped and named in ``ignored`` and ``server_tools`` (name -> type):
+    this box runs none, and a model may answer without them (``_tool_choice`` refuses a
+    request that names one)."""
     if not isinstance(tools, list):
         raise wrong_type("tools", "an array", tools)
     if len(tools) > MAX_TOOLS:
@@ -297,13 +365,13 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         p = f"tools[{i}]"
         if not isinstance(t, dict):
             raise wrong_type(p, "an object", t)
-        if t.get("type") not in (None, "custom"):
-            raise bad_request(
-                f"'{p}.type' is {t['type']!r}: server tools are not run on this box; send "
-                "client tools ({name, description, input_schema})",
-                f"{p}.type",
-                "unsupported",
-            )
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            if not isinstance(kind, str):
+                raise wrong_type(f"{p}.type", "a string", kind)
+            server_tools[str(t.get("name") or kind)] = kind
+            ignored.append(f"{p} ({kind})")
+            continue
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise wrong_type(f"{p}.name", "a non-empty string", t.get("name"))
         schema = t.get("input_schema")
@@ -319,7 +387,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any, server_tools: Mapping[str, str]) -> Any:
     if not isinstance(choice, dict):
         raise wrong_type("tool_choice", "an object", choice)
     kind = choice.get("type")
@@ -331,6 +399,13 @@ def _tool_choice(choice: Any) -> Any:
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise wrong_type("tool_choice.name", "a string", choice.get("name"))
+        if choice["name"] in server_tools:
+            raise bad_request(
+                f"'tool_choice.name' {choice['name']!r} is a server tool "
+                f"({server_tools[choice['name']]}): server tools are not run on this box",
+                "tool_choice.name",
+                "unsupported_tool",
+            )
         return {"type": "function", "function": {"name": choice["name"]}}
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
@@ -560,6 +635,18 @@ def error_type(e: ApiError) -> str:
     return "invalid_request_error" if 400 <= e.status < 500 else "api_error"
 
 
+def dotted(param: str) -> str:
+    """A field's path as Anthropic writes it: ``messages[2].content[0]`` is
+    ``messages.2.content.0``."""
+    return param.replace("[", ".").replace("]", "")
+
+
 def error_body(e: ApiError) -> dict[str, Any]:
-    """Anthropic's error envelope; the message names the field, as residency's errors do."""
-    return {"type": "error", "error": {"type": error_type(e), "message": e.message}}
+    """Anthropic's error envelope, worded as Anthropic words it: a field's error starts with
+    the field's dotted path (``messages.2.role: ...``), which clients match on."""
+    message = e.message
+    if e.param:
+        path = dotted(e.param)
+        if not message.startswith(f"{path}:"):
+            message = f"{path}: {message}"
+    return {"type": "error", "error": {"type": error_type(e), "message": message}}

@@ -77,7 +77,9 @@ def _validated(
 ) -> tuple[dict[str, Any], validation.Validated]:
     """The chat completions body ``body`` stands for (what a remote upstream gets), and its
     validation (errors name the Messages fields)."""
-    chat = anthropic.to_chat(body, count=count)
+    ignored: list[str] = []
+    chat = anthropic.to_chat(body, count=count, ignored=ignored)
+    pipeline.ignore(ignored)
     try:
         return chat, validation.validate_chat(chat)
     except ApiError as e:

@@ -20,7 +20,7 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from web import bus, stream, validation
 from web.body import read_json
-from web.pipeline import Target, admitted, count_request, dispatch, headers
+from web.pipeline import Target, admitted, count_request, dispatch, headers, ignore
 from web.responses_output import Events, Meta, from_chat, new_id
 from web.responses_request import to_chat
 
@@ -38,6 +38,7 @@ def create_response() -> Any:
 def _create() -> Any:
     body = read_json()
     tr = to_chat(body)
+    ignore(tr.ignored)
     v = validation.validate_chat(tr.chat)
     d = dispatch(Kind.CHAT, "/chat/completions", v, tr.chat)
     t = d.target

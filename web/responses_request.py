@@ -7,12 +7,15 @@ sent it (``input[2].call_id``, ``text.format.schema``), and returns the chat bod
 ``web.validation.validate_chat`` then takes, plus the parameters the answer repeats.
 
 The server is stateless: nothing is stored, so ``previous_response_id`` and ``conversation``
-are refused (the client sends the whole conversation in ``input``), and so are hosted tools
-(web search, file search...), which this box has none of. Unknown top-level fields are refused
-rather than ignored, so a client learns that a feature it relies on is not there. Inside
-``input`` items, keys that only describe an earlier answer (``id``, ``status``,
-``annotations``...) are ignored, so a client can send a response's ``output`` items back as
-they came.
+are refused (the client sends the whole conversation in ``input``). Fields that change nothing
+here are accepted and ignored, and named in ``Translated.ignored`` (the answer's
+``x-residency-ignored`` header): ``client_metadata``, ``include`` (nothing it names exists
+here: no reasoning, no hosted tool results), ``reasoning`` options (the models here do not
+reason) and hosted tools (web search, file search...; this box runs none: they are dropped,
+unless ``tool_choice`` names one, which is a 400). Any other unknown top-level field is
+refused, so a client learns that a feature it relies on is not there. Inside ``input`` items,
+keys that only describe an earlier answer (``id``, ``status``, ``annotations``...) are
+ignored, so a client can send a response's ``output`` items back as they came.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ FIELDS = frozenset(
         "truncation",
         "background",
         "service_tier",
+        "client_metadata",
     }
 )
+#: Top-level fields accepted and ignored: they change nothing this server does.
+IGNORED_FIELDS = frozenset({"client_metadata"})
 ROLES = ("user", "assistant", "system", "developer")
 MAX_METADATA = 16
 
@@ -66,11 +72,13 @@ MAX_METADATA = 16
 @dataclass(frozen=True)
 class Translated:
     """``chat``: the chat completions body; ``echo``: the request's parameters as a Response
-    object repeats them; ``stream``: whether the client asked for a stream."""
+    object repeats them; ``stream``: whether the client asked for a stream; ``ignored``: the
+    fields accepted and ignored."""
 
     chat: dict[str, Any]
     echo: dict[str, Any]
     stream: bool
+    ignored: tuple[str, ...] = ()
 
 
 def _unsupported(param: str, what: str) -> ApiError:
@@ -110,25 +118,22 @@ def _stateless(body: Mapping[str, Any]) -> None:
         raise wrong_type("store", "a boolean", store)
 
 
-def _refused_options(body: Mapping[str, Any]) -> None:
-    """Options with no meaning for the models served here: empty is fine, anything else 400."""
+def _refused_options(body: Mapping[str, Any], ignored: list[str]) -> None:
+    """Options with no meaning for the models served here: ignored (and named in ``ignored``)
+    when they change nothing, else empty is fine and anything else 400."""
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise wrong_type("reasoning", "an object", reasoning)
-        for k, v in reasoning.items():
-            if v is not None:
-                raise _unsupported(
-                    f"reasoning.{k}", "reasoning options are not supported by the models here"
-                )
+        # No model here reasons: an effort or a summary asked for changes nothing.
+        ignored += [f"reasoning.{k}" for k, v in reasoning.items() if v is not None]
     include = body.get("include")
     if include is not None:
-        if not isinstance(include, list):
-            raise wrong_type("include", "an array", include)
+        if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+            raise wrong_type("include", "an array of strings", include)
+        # What it names (encrypted reasoning, hosted tool results...) never exists here.
         if include:
-            raise _unsupported(
-                "include", f"{include[0]!r} cannot be included; send an empty list or none"
-            )
+            ignored.append("include")
     if body.get("truncation") not in (None, "disabled"):
         raise _unsupported("truncation", "only 'disabled' is supported (nothing is truncated)")
     for key in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
@@ -312,8 +317,10 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 # --- tools ------------------------------------------------------------------------------------
 
 
-def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The function tools, in the Responses form (as the answer repeats them)."""
+def _tools(body: Mapping[str, Any], ignored: list[str]) -> list[dict[str, Any]]:
+    """The function tools, in the Responses form (as the answer repeats them). Hosted tools
+    (any other type) are dropped and named in ``ignored``: this box runs none, and a model may
+    answer without them (``_tool_choice`` refuses a request that names one)."""
     tools = body.get("tools")
     if tools is None:
         return []
@@ -330,13 +337,12 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         p = f"tools[{i}]"
         if not isinstance(t, dict):
             raise wrong_type(p, "an object", t)
-        if t.get("type") != "function":
-            raise bad_request(
-                f"'{p}.type' {t.get('type')!r} is not supported: this server runs only "
-                "function tools (no hosted tools such as web_search or file_search)",
-                f"{p}.type",
-                "unsupported_tool",
-            )
+        kind = t.get("type")
+        if not isinstance(kind, str):
+            raise wrong_type(f"{p}.type", "a string", kind)
+        if kind != "function":
+            ignored.append(f"{p} ({kind})")
+            continue
         name = _string(t, "name", f"{p}.name")
         if any(o["name"] == name for o in out):
             raise bad_request(f"'{p}.name' {name!r} is given twice", f"{p}.name")
@@ -386,12 +392,14 @@ def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]]) -> Any:
         return choice
     if not isinstance(choice, dict):
         raise wrong_type("tool_choice", "a string or an object", choice)
-    if choice.get("type") != "function":
+    kind = choice.get("type")
+    if kind != "function":
         raise bad_request(
-            f"'tool_choice.type' {choice.get('type')!r} is not supported: name a function "
-            "tool as {'type': 'function', 'name': ...}",
+            f"'tool_choice.type' {kind!r} is not supported: this server runs only function "
+            "tools (no hosted tools such as web_search or file_search); name a function tool "
+            "as {'type': 'function', 'name': ...}",
             "tool_choice.type",
-            "unsupported",
+            "unsupported_tool",
         )
     name = _string(choice, "name", "tool_choice.name")
     if name not in names:
@@ -475,15 +483,16 @@ def _stream(body: Mapping[str, Any]) -> bool:
 
 def to_chat(body: Mapping[str, Any]) -> Translated:
     """The chat completions body for a Responses request, or a 400 naming the bad field."""
+    ignored: list[str] = [k for k in sorted(IGNORED_FIELDS) if k in body]
     _check_fields(body)
     _stateless(body)
-    _refused_options(body)
+    _refused_options(body, ignored)
     model = body.get("model")
     if model is None:
         raise bad_request("you must provide a model parameter", "model", "missing_required")
     metadata = _metadata(body)
     messages = _messages(body)
-    tools = _tools(body)
+    tools = _tools(body, ignored)
     choice = _tool_choice(body, tools)
     text, response_format = _text(body)
     ptc = body.get("parallel_tool_calls")
@@ -532,4 +541,4 @@ def to_chat(body: Mapping[str, Any]) -> Translated:
         "truncation": "disabled",
         "user": body.get("user"),
     }
-    return Translated(chat, echo, stream)
+    return Translated(chat, echo, stream, tuple(ignored))

@@ -236,7 +236,7 @@ def test_keys_and_errors_in_anthropics_envelope(port: int, client: anthropic.Ant
         )
     err = bad.value.body
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
-    assert "'frequency_penalty'" in err["error"]["message"]
+    assert err["error"]["message"].startswith("frequency_penalty: Extra inputs are not permitted")
 
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(
@@ -254,7 +254,7 @@ def test_keys_and_errors_in_anthropics_envelope(port: int, client: anthropic.Ant
                 }
             ],
         )
-    assert "messages[0].content[0]" in bad.value.body["error"]["message"]
+    assert bad.value.body["error"]["message"].startswith("messages.0.content.0.type: ")
 
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="nope", max_tokens=4, messages=USER)
@@ -271,3 +271,41 @@ def test_keys_and_errors_in_anthropics_envelope(port: int, client: anthropic.Ant
     stream = client.messages.stream(model="a", max_tokens=4, messages=USER, tools=[WEATHER])
     with pytest.raises(anthropic.BadRequestError), stream as s:
         list(s)
+
+
+def test_what_claude_code_sends_is_accepted_and_what_was_ignored_is_named(port: int) -> None:
+    # Claude Code's fields that change nothing here, and a system message mid-conversation.
+    body = {
+        "model": "a",
+        "max_tokens": 1,
+        "messages": [
+            *USER,
+            {"role": "assistant", "content": "Sunny."},
+            {"role": "system", "content": [{"type": "text", "text": "Answer in French. " * 20}]},
+            {"role": "user", "content": "And tomorrow?"},
+        ],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+        "output_config": {"effort": "medium"},
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+    }
+    url = f"http://127.0.0.1:{port}/v1/messages"
+    auth = {"x-api-key": ADMIN}
+    for stream in (False, True):
+        resp = requests.post(url, json={**body, "stream": stream}, headers=auth, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-residency-ignored"] == (
+            "context_management, thinking, output_config.effort, tools[0] (web_search_20250305)"
+        )
+    whole = requests.post(url, json=body, headers=auth, timeout=120).json()
+    without = dict(body, messages=[*USER, body["messages"][1], body["messages"][3]])
+    shorter = requests.post(url, json=without, headers=auth, timeout=120).json()
+    # The system message reached the model: it is part of the prompt.
+    assert whole["usage"]["input_tokens"] > shorter["usage"]["input_tokens"] + 20
+    # An error about a field, in Anthropic's words: its dotted path first.
+    bad = dict(body, messages=[{"role": "robot", "content": "x"}])
+    resp = requests.post(url, json=bad, headers=auth, timeout=60)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("messages.0.role: ")

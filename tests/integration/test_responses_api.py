@@ -145,9 +145,15 @@ def test_refusals(client: openai.OpenAI) -> None:
     assert "does not store responses" in e.value.message
     assert "send the whole conversation in `input`" in e.value.message
 
+    # A hosted tool is dropped (this box runs none) unless the request names it.
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="a", input=QUESTION, tools=[{"type": "web_search"}])
-    assert (e.value.param, e.value.code) == ("tools[0].type", "unsupported_tool")
+        client.responses.create(
+            model="a",
+            input=QUESTION,
+            tools=[{"type": "web_search"}],
+            tool_choice={"type": "web_search"},  # type: ignore[arg-type,typeddict-item]
+        )
+    assert (e.value.param, e.value.code) == ("tool_choice.type", "unsupported_tool")
 
     # A model whose template cannot take tools, asked to choose: refused as chat refuses it.
     for stream in (False, True):
@@ -230,3 +236,34 @@ def test_a_streamed_function_call_assembles_to_the_whole_call(client: openai.Ope
     with client.responses.stream(**kw) as stream:
         done = stream.get_final_response()
     assert json.loads(_call(done).arguments) == {"city": "Paris", "days": 3}
+
+
+def test_what_codex_sends_is_accepted_and_what_was_ignored_is_named(
+    client: openai.OpenAI,
+) -> None:
+    # Codex CLI's fields that change nothing here, on every request it makes.
+    raw = client.responses.with_raw_response.create(
+        model="a",
+        input=QUESTION,
+        max_output_tokens=2,
+        include=["reasoning.encrypted_content"],
+        reasoning={"effort": "medium", "summary": "auto"},
+        tools=[{"type": "web_search"}],
+        extra_body={"client_metadata": {"x-codex-turn-metadata": "{}"}},
+    )
+    assert raw.headers["x-residency-ignored"] == (
+        "client_metadata, reasoning.effort, reasoning.summary, include, tools[0] (web_search)"
+    )
+    r = raw.parse()
+    assert r.status == "incomplete" and r.tools == []
+    # Nothing ignored: no header.
+    plain = client.responses.with_raw_response.create(
+        model="a", input=QUESTION, max_output_tokens=1
+    )
+    assert "x-residency-ignored" not in plain.headers
+    # A field that would change the answer is still refused, by name.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="a", input=QUESTION, max_output_tokens=1, extra_body={"frobnicate": 1}
+        )
+    assert (e.value.param, e.value.code) == ("frobnicate", "unknown_parameter")

@@ -148,10 +148,10 @@ def test_tool_choice(choice: dict[str, Any], expected: Any) -> None:
     validate_chat(chat)
 
 
-def test_unknown_fields_are_refused_by_name() -> None:
-    e = refused(body(thinking={"type": "enabled"}, service_tier="auto"))
-    assert e.param == "service_tier"
-    assert "'service_tier'" in e.message and "'thinking'" in e.message
+def test_unknown_fields_are_refused_by_name_in_anthropics_words() -> None:
+    e = refused(body(mcp_servers=[], container="c"))
+    assert e.param == "container"
+    assert e.message.startswith("container: Extra inputs are not permitted")
     assert e.code == "unknown_field"
     # count_tokens takes fewer fields.
     b = body()
@@ -160,13 +160,84 @@ def test_unknown_fields_are_refused_by_name() -> None:
     assert refused(body(), count=True).param == "max_tokens"
 
 
+def test_fields_that_change_nothing_are_accepted_and_named() -> None:
+    ignored: list[str] = []
+    chat = anthropic.to_chat(
+        body(
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            context_management={"edits": [{"type": "clear_tool_uses_20250919"}]},
+            output_config={"effort": "high"},
+            service_tier="auto",
+        ),
+        ignored=ignored,
+    )
+    assert ignored == ["context_management", "service_tier", "thinking", "output_config.effort"]
+    assert chat == anthropic.to_chat(body())
+    # What would change the answer is not ignored.
+    assert refused(body(output_config={"verbosity": "low"})).param == "output_config.verbosity"
+
+
+def test_output_config_format_is_a_json_schema_answer() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    chat = anthropic.to_chat(
+        body(output_config={"format": {"type": "json_schema", "schema": schema}})
+    )
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
+    validate_chat(chat)
+    bad = body(output_config={"format": {"type": "xml"}})
+    assert refused(bad).param == "output_config.format.type"
+
+
+def test_a_system_message_anywhere_is_a_system_message() -> None:
+    chat = anthropic.to_chat(
+        body(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "again"},
+            ]
+        )
+    )
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "system", "user"]
+    assert chat["messages"][2] == {"role": "system", "content": "Be brief."}
+    validate_chat(chat)
+    bad = body(messages=[{"role": "system", "content": [{"type": "image"}]}])
+    assert refused(bad).param == "messages[0].content[0].type"
+
+
+def test_server_tools_are_dropped_unless_chosen() -> None:
+    server = {"type": "web_search_20250305", "name": "web_search"}
+    ignored: list[str] = []
+    chat = anthropic.to_chat(body(tools=[server, WEATHER_TOOL]), ignored=ignored)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["get_weather"]
+    assert ignored == ["tools[0] (web_search_20250305)"]
+    # Only server tools: the request goes on without tools.
+    chat = anthropic.to_chat(body(tools=[server], tool_choice={"type": "auto"}))
+    assert "tools" not in chat and "tool_choice" not in chat
+    e = refused(body(tools=[server], tool_choice={"type": "tool", "name": "web_search"}))
+    assert (e.param, e.code) == ("tool_choice.name", "unsupported_tool")
+
+
+def test_errors_start_with_the_dotted_field() -> None:
+    e = ApiError(400, "'messages[2].role' must be 'user'", param="messages[2].role")
+    assert anthropic.error_body(e)["error"]["message"] == (
+        "messages.2.role: 'messages[2].role' must be 'user'"
+    )
+    plain = anthropic.error_body(ApiError(429, "slow down"))
+    assert plain["error"] == {"type": "rate_limit_error", "message": "slow down"}
+
+
 @pytest.mark.parametrize(
     ("b", "param"),
     [
         ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         (body(messages=None), "messages"),
         (body(messages=[]), "messages"),
-        (body(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+        (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
         (body(messages=[{"role": "user"}]), "messages[0].content"),
         (body(messages=[{"role": "user", "content": []}]), "messages[0].content"),
         (
@@ -211,7 +282,6 @@ def test_unknown_fields_are_refused_by_name() -> None:
         (body(stream="yes"), "stream"),
         (body(metadata="x"), "metadata"),
         (body(tools=[{"name": "f"}]), "tools[0].input_schema"),
-        (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
         (body(tool_choice={"type": "function"}), "tool_choice.type"),
         (body(tools=[WEATHER_TOOL], tool_choice={"type": "tool"}), "tool_choice.name"),
         (
@@ -455,7 +525,7 @@ def test_the_error_envelope(status: int, kind: str) -> None:
     e = ApiError(status, "went wrong", type="whatever", param="p", retry_after=3)
     assert anthropic.error_body(e) == {
         "type": "error",
-        "error": {"type": kind, "message": "went wrong"},
+        "error": {"type": kind, "message": "p: went wrong"},
     }
 
 

@@ -219,6 +219,32 @@ def test_the_echo_repeats_the_parameters_in_the_responses_form() -> None:
     assert to_chat(req()).echo["tool_choice"] == "auto"
 
 
+def test_fields_that_change_nothing_are_accepted_and_named() -> None:
+    # What Codex CLI sends on every request, beside its own function tools.
+    tr = to_chat(
+        req(
+            client_metadata={"x-codex-turn": "1"},
+            include=["reasoning.encrypted_content"],
+            reasoning={"effort": "medium", "summary": "auto"},
+            tools=[WEATHER, {"type": "web_search"}, {"type": "namespace", "name": "mcp"}],
+            prompt_cache_key="k",
+        )
+    )
+    assert tr.ignored == (
+        "client_metadata",
+        "reasoning.effort",
+        "reasoning.summary",
+        "include",
+        "tools[1] (web_search)",
+        "tools[2] (namespace)",
+    )
+    assert [t["function"]["name"] for t in tr.chat["tools"]] == ["get_weather"]
+    assert tr.echo["tools"] == [WEATHER]
+    assert to_chat(req(reasoning={}, include=[])).ignored == ()
+    # Only hosted tools: the request goes on without tools.
+    assert "tools" not in to_chat(req(tools=[{"type": "web_search"}])).chat
+
+
 BAD: list[tuple[dict[str, Any], str, str | None]] = [
     ({"input": "hi"}, "model", "missing_required"),
     ({"model": "m"}, "input", "missing_required"),
@@ -228,8 +254,7 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
     (req(conversation="conv_1"), "conversation", "unsupported"),
     (req(background=True), "background", "unsupported"),
     (req(frobnicate=1), "frobnicate", "unknown_parameter"),
-    (req(tools=[{"type": "web_search"}]), "tools[0].type", "unsupported_tool"),
-    (req(tools=[WEATHER, {"type": "file_search"}]), "tools[1].type", "unsupported_tool"),
+    (req(tools=[{"type": 5}]), "tools[0].type", "invalid_type"),
     (req(tools=[{"type": "function"}]), "tools[0].name", "missing_required"),
     (req(tools=[WEATHER, WEATHER]), "tools[1].name", None),
     (
@@ -237,11 +262,15 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
         "tool_choice.name",
         None,
     ),
-    (req(tools=[WEATHER], tool_choice={"type": "web_search"}), "tool_choice.type", "unsupported"),
+    (
+        req(tools=[WEATHER, {"type": "web_search"}], tool_choice={"type": "web_search"}),
+        "tool_choice.type",
+        "unsupported_tool",
+    ),
     (req(tool_choice="required"), "tool_choice", None),
     (req(tool_choice="sometimes"), "tool_choice", None),
-    (req(reasoning={"effort": "high"}), "reasoning.effort", "unsupported"),
-    (req(include=["message.output_text.logprobs"]), "include", "unsupported"),
+    (req(reasoning="high"), "reasoning", "invalid_type"),
+    (req(include="all"), "include", "invalid_type"),
     (req(truncation="auto"), "truncation", "unsupported"),
     (req(max_output_tokens=0), "max_output_tokens", "invalid_value"),
     (req(max_output_tokens="9"), "max_output_tokens", "invalid_type"),
