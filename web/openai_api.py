@@ -19,7 +19,7 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.registry import Entry, all_entries
-from web import auth, stream, validation
+from web import auth, openapi, stream, validation
 from web.body import read_json
 from web.pipeline import (
     admit_target,
@@ -28,6 +28,7 @@ from web.pipeline import (
     dispatch,
     forward,
     headers,
+    ignore,
     named,
     not_allowed,
     resolve,
@@ -105,6 +106,8 @@ def _generate_admitted(
             code="route_trace_not_allowed",
         )
     v = validate(body)
+    fields = openapi.CHAT if kind is Kind.CHAT else openapi.COMPLETION
+    ignore(k for k in body if k not in fields)
     d = dispatch(kind, path, v, body)
     t = d.target
     if not want_trace:

@@ -12,6 +12,7 @@ back (a stream through ``web.stream``).
 from __future__ import annotations
 
 import logging
+import re
 import select
 import socket
 import time
@@ -50,25 +51,33 @@ def count_request(resp: Response) -> Response:
     return resp
 
 
+#: What the header lists: a field's name as clients write them (a name from the request body
+#: may hold anything: a newline would break the header), at most ``_MAX_IGNORED`` of them.
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.\[\]() -]{1,64}")
+_MAX_IGNORED = 16
+
+
 def ignore(fields: Iterable[str]) -> None:
     """Record request fields that were accepted and change nothing here: they are named in the
     answer's ``x-residency-ignored`` header and the debug log, so a client can see that they
     did nothing."""
-    names = [f for f in fields if f]
+    names = [f if _FIELD_NAME.fullmatch(f) else "(a field with an odd name)" for f in fields]
     if not names:
         return
     seen: list[str] = g.setdefault("ignored_fields", [])
     for n in names:
         if n not in seen:
             seen.append(n)
-    log.debug("ignored request fields: %s", ", ".join(names))
+    log.debug("ignored request fields: %s", ", ".join(names[:_MAX_IGNORED]))
 
 
 def ignored_header(resp: Response) -> Response:
     """Add the ``x-residency-ignored`` header (an app-wide ``after_request`` hook)."""
     seen = g.get("ignored_fields")
     if seen:
-        resp.headers[IGNORED_HEADER] = ", ".join(seen)
+        more = len(seen) - _MAX_IGNORED
+        listed = seen[:_MAX_IGNORED] + ([f"and {more} more"] if more > 0 else [])
+        resp.headers[IGNORED_HEADER] = ", ".join(listed)
     return resp
 
 

@@ -8,8 +8,10 @@ a 400 ``ApiError`` whose ``param`` names the field, e.g. ``messages[1].content``
 Only what the client sent is passed on (no defaults are injected): llama-cpp-python's own
 defaults apply otherwise. OpenAI fields that have no meaning here (``user``, ``metadata``,
 ``parallel_tool_calls``, ``store``…) are accepted and ignored, because the official clients
-send some of them on every call. ``stream_options`` travels in the params to the model
-process, which takes it out before generating (it writes the usage chunk).
+send some of them on every call (the API module names them in the ``x-residency-ignored``
+header); those that would change the answer and are not served (``audio``, a modality other
+than text, ``web_search_options``) are refused by name. ``stream_options`` travels in the
+params to the model process, which takes it out before generating (it writes the usage chunk).
 """
 
 from __future__ import annotations
@@ -254,6 +256,25 @@ def _number(body: Mapping[str, Any], key: str, lo: float, hi: float, integer: bo
         bounds = f">= {lo:g}" if hi >= 1e9 else f"between {lo:g} and {hi:g}"
         raise bad_request(f"'{key}' must be {bounds}, got {v}", key, "invalid_value")
     return v
+
+
+def _unserved(body: Mapping[str, Any]) -> None:
+    """Fields that would change a chat answer in ways this box does not serve: 400, never an
+    answer that silently lacks what was asked."""
+    for key, what in (("audio", "audio output"), ("web_search_options", "web search")):
+        if body.get(key) is not None:
+            raise bad_request(f"'{key}': {what} is not served by this box", key, "unsupported")
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list):
+            raise wrong_type("modalities", "an array", modalities)
+        other = [m for m in modalities if m != "text"]
+        if other:
+            raise bad_request(
+                f"'modalities': only 'text' is served by this box, got {other[0]!r}",
+                "modalities",
+                "unsupported",
+            )
 
 
 def _n(body: Mapping[str, Any]) -> None:
@@ -546,6 +567,7 @@ def validate_chat(body: Mapping[str, Any]) -> Validated:
         raise bad_request("'messages' must hold at least one message", "messages")
     _max_items("messages", msgs, MAX_MESSAGES)
     params: dict[str, Any] = {"messages": [_message(i, m) for i, m in enumerate(msgs)]}
+    _unserved(body)
     _n(body)
     _sampling(body, params)
     _tools(body, params)

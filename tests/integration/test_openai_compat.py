@@ -310,3 +310,32 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused(client: openai.OpenAI) -
         )
     assert e.value.param == "response_format.json_schema.schema.properties.n.maximum"
     assert e.value.code == "unsupported_schema"
+
+
+# --- fields that change nothing -----------------------------------------------------------
+
+
+def test_fields_a_chat_ignores_are_named_and_those_it_cannot_serve_refused(
+    client: openai.OpenAI,
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="a",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1,
+        user="u",
+        store=True,
+        extra_body={"frobnicate": 1, "bad\u00e9name": 2},
+    )
+    # In the body's order, which the client chooses.
+    named = raw.headers["x-residency-ignored"].split(", ")
+    assert sorted(named) == ["(a field with an odd name)", "frobnicate", "store", "user"]
+    plain = client.chat.completions.with_raw_response.create(
+        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert "x-residency-ignored" not in plain.headers
+    for extra in ({"audio": {"voice": "alloy"}}, {"modalities": ["text", "audio"]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="a", messages=[{"role": "user", "content": "hi"}], extra_body=extra
+            )
+        assert (e.value.param, e.value.code) == (next(iter(extra)), "unsupported")

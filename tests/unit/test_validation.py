@@ -449,3 +449,25 @@ def test_the_union_of_tool_choice_required_is_bounded_like_one_schema() -> None:
     validate_chat(chat(tools=tools, tool_choice=named))
     # A union within the bound passes: 128 small tools.
     validate_chat(chat(tools=[_tool(i, 100) for i in range(128)], tool_choice="required"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"modalities": "text"}, "modalities"),
+    ],
+)
+def test_what_a_chat_cannot_serve_is_refused_by_name(extra: dict[str, Any], param: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(ApiError) as e:
+        validate_chat(body)
+    assert e.value.param == param
+
+
+def test_text_modalities_and_unknown_fields_are_served() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    v = validate_chat({**body, "modalities": ["text"], "store": True, "frobnicate": 1})
+    assert v.params == validate_chat(body).params
