@@ -254,7 +254,8 @@ def test_keys_and_errors_in_anthropics_envelope(port: int, client: anthropic.Ant
                 }
             ],
         )
-    assert "messages[0].content[0]" in bad.value.body["error"]["message"]
+    # Taken as an image, and refused by the model that cannot see it, by name.
+    assert "model 'a' cannot read images" in bad.value.body["error"]["message"]
 
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="nope", max_tokens=4, messages=USER)
