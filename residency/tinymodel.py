@@ -137,7 +137,7 @@ def _add_metadata(
     dtype: Literal["f32", "q8_0"],
     embedding: bool,
     rerank: bool = False,
-    chat_template: str = CHATML_TEMPLATE,
+    chat_template: str | None = CHATML_TEMPLATE,
 ) -> None:
     q8 = dtype == "q8_0"
     writer.add_name(MODEL_NAME)
@@ -176,7 +176,8 @@ def _add_metadata(
     if rerank:
         writer.add_sep_token_id(EOS_ID)
         writer.add_add_sep_token(value=True)
-    writer.add_chat_template(chat_template)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
 
 def _add_tensors(
@@ -233,7 +234,7 @@ def write_tiny_model(
     dtype: Literal["f32", "q8_0"] = "f32",
     embedding: bool = False,
     rerank: bool = False,
-    chat_template: str = CHATML_TEMPLATE,
+    chat_template: str | None = CHATML_TEMPLATE,
 ) -> pathlib.Path:
     """Write a tiny random llama GGUF model to ``path`` and return the path.
 
@@ -243,9 +244,10 @@ def write_tiny_model(
     loaded with embeddings enabled (without it, llama-cpp-python returns one
     vector per token). ``rerank=True`` writes a reranker (see the module
     docstring) for llama.cpp's rank pooling. ``chat_template`` replaces the
-    ChatML template (e.g. one that takes ``tools``). The file is written to a
-    temporary sibling and then renamed over ``path``, so concurrent writers
-    never expose a partial file. Missing parent directories are created.
+    ChatML template (e.g. one that takes ``tools``; None: the GGUF carries
+    none). The file is written to a temporary sibling and then renamed over
+    ``path``, so concurrent writers never expose a partial file. Missing parent
+    directories are created.
     """
     if dtype not in ("f32", "q8_0"):
         msg = f"unsupported dtype {dtype!r}; expected 'f32' or 'q8_0'"

@@ -6,8 +6,11 @@ answer comes back in Anthropic's shapes: a whole chat response as a message (``t
 a stream of chat chunks as Anthropic's events (``StreamEvents``), an ``ApiError`` in Anthropic's
 error envelope (``error_body``).
 
-What has no counterpart here is refused with a 400 naming the field (images, documents,
-server tools, thinking, unknown top-level fields); ``metadata`` is accepted and ignored.
+A user turn's ``image`` blocks become chat ``image_url`` parts (a base64 source as a data
+URL), so an image meets the same rule as in chat: a model that cannot see refuses it with 400
+naming the model (``residency.vision``). What has no counterpart here is refused with a 400
+naming the field (documents, images inside tool results or assistant turns, server tools,
+thinking, unknown top-level fields); ``metadata`` is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -219,8 +222,9 @@ def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
 
 def _no_media(kind: Any, param: str) -> None:
     if kind in _MEDIA:
+        where = "" if kind == "document" else " here (images are taken in a user turn's content)"
         raise bad_request(
-            f"'{param}' is an {kind} block; the models on this box read text only",
+            f"'{param}' is an {kind} block; {kind}s are not taken{where}",
             f"{param}.type",
             "unsupported",
         )
@@ -264,26 +268,57 @@ def _message(i: int, m: Any) -> list[dict[str, Any]]:
     if role == "assistant":
         return [_assistant(blocks, f"{p}.content")]
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and image parts of the user turn being read
     for j, b in enumerate(blocks):
         bp = f"{p}.content[{j}]"
         kind = b.get("type")
-        _no_media(kind, bp)
         if kind == "text":
-            texts.append(_text(b, bp))
+            parts.append({"type": "text", "text": _text(b, bp)})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(b, bp)}})
         elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
+            if parts:
+                out.append(_user(parts))
+                parts = []
             out.append(_tool_result(b, bp))
         else:
+            _no_media(kind, bp)
             raise bad_request(
-                f"'{bp}.type' must be 'text' or 'tool_result' in a user message, got {kind!r}",
+                f"'{bp}.type' must be 'text', 'image' or 'tool_result' in a user message, got "
+                f"{kind!r}",
                 f"{bp}.type",
             )
-    if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if parts:
+        out.append(_user(parts))
     return out
+
+
+def _user(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat user turn: its text as one string when it holds no image (what chat templates
+    expect), else its parts in order."""
+    if all(p["type"] == "text" for p in parts):
+        return {"role": "user", "content": "\n".join(p["text"] for p in parts)}
+    return {"role": "user", "content": parts}
+
+
+def _image_url(b: Mapping[str, Any], bp: str) -> str:
+    """An image block's source as chat's ``image_url``: a URL, or base64 data as a data URL."""
+    src = b.get("source")
+    if not isinstance(src, dict):
+        raise wrong_type(f"{bp}.source", "an object", src)
+    kind = src.get("type")
+    if kind == "url":
+        if not isinstance(src.get("url"), str):
+            raise wrong_type(f"{bp}.source.url", "a string", src.get("url"))
+        return str(src["url"])
+    if kind == "base64":
+        for key in ("media_type", "data"):
+            if not isinstance(src.get(key), str):
+                raise wrong_type(f"{bp}.source.{key}", "a string", src.get(key))
+        return f"data:{src['media_type']};base64,{src['data']}"
+    raise bad_request(
+        f"'{bp}.source.type' must be 'base64' or 'url', got {kind!r}", f"{bp}.source.type"
+    )
 
 
 def _tool_result(b: Mapping[str, Any], bp: str) -> dict[str, Any]:

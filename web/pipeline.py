@@ -22,7 +22,7 @@ from typing import Any
 
 from flask import Response, g, make_response, request
 
-from residency import errors, keys
+from residency import errors, keys, vision
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
@@ -149,6 +149,8 @@ def resolve(
         if not caller.may_use_model(entry.name):
             raise not_allowed(entry.name, via=model)
         check_type(entry, kind)
+        if v is not None:
+            vision.refuse_images(v.params, entry.name, entry.spec)
         if v is not None and not entry.spec.remote:
             # Admitted before the candidate was known: its load-seconds quota is checked now.
             quota.admit_load(st.r, st.scripts, quota.principal(), entry.name)
@@ -159,6 +161,8 @@ def resolve(
     if not caller.may_use_model(model):
         raise not_allowed(model)
     check_type(entry, kind)
+    if v is not None:
+        vision.refuse_images(v.params, entry.name, entry.spec)
     return Target(entry, view)
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from residency import keys, ledger, metrics, procs, registry, work
+from residency import keys, ledger, metrics, procs, registry, vision, work
 from residency.box import connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -543,6 +543,10 @@ class ModelProcess:
             out["model"] = self.model
             on_usage(int(out["usage"]["prompt_tokens"]), 0, 0)
             return ReplyType.DONE, out
+        if req.kind in (Kind.CHAT, Kind.TOKENIZE):
+            # Refused here whatever path it came by: a model that cannot see never answers
+            # as if it had looked at the image.
+            vision.refuse_images(req.params, self.model, self.spec)
         if req.kind is Kind.TOKENIZE:
             return ReplyType.DONE, self.runtime.count_tokens(dict(req.params))
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion

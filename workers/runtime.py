@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import logging
 import math
 import random
 import re
@@ -21,9 +22,11 @@ import numpy as np
 
 from residency.errors import ApiError
 from residency.settings import ModelSpec
-from workers import chat_tools, completion, devices, rerank, toolcalls
+from workers import chat_handler, chat_tools, completion, devices, rerank, system_fold, toolcalls
 from workers.completion import CacheUse, OnUsage, Pieces
 from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling
+
+log = logging.getLogger(__name__)
 
 #: Tokens the repetition penalties look back over (llama-cpp-python's default).
 PENALTY_LAST_N = 64
@@ -238,6 +241,9 @@ def _batched_llama() -> Any:
         def create_completion(self, prompt: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             assert self.engine is not None and self.pieces is not None
             if getattr(_serving, "count_only", False):
+                texts = getattr(_serving, "prompts", None)
+                if texts is not None:  # a probe of the chat handler (LlamaRuntime._renders)
+                    texts.append(prompt if isinstance(prompt, str) else self._text(prompt))
                 into = getattr(_serving, "rendered", None)
                 return completion.counted(self, prompt, kwargs.get("model"), into)
             hooks: Hooks = getattr(_serving, "hooks", None) or Hooks()
@@ -252,6 +258,9 @@ def _batched_llama() -> Any:
                 prompt=prompt,
                 **kwargs,
             )
+
+        def _text(self, tokens: list[int]) -> str:
+            return bytes(self.detokenize(tokens, special=True)).decode("utf-8", "replace")
 
     return BatchedLlama
 
@@ -487,6 +496,8 @@ class LlamaRuntime:
         self._engine: Engine | None = None
         self._parallel = 1
         self._tools: str | None = None  # how the loaded model takes tools (chat_tools)
+        # Which system messages its chat handler renders where they stand (probed at load).
+        self._system = system_fold.ALL
         # How a rerank model's (query, document) pairs are laid out; None: not a rerank model.
         self._pairs: rerank.PairFormat | None = None
 
@@ -537,7 +548,100 @@ class LlamaRuntime:
             )
             self._llm.engine = self._engine
             self._llm.pieces = Pieces(backend.piece, backend.fim())
+            # The handler is chosen before tools and system messages are asked about: both
+            # depend on which template renders the prompt.
+            self._choose_handler(spec)
+            self._system = self._probe_system()
             self._tools = chat_tools.support(self._llm.chat_format, _templates(self._llm))
+
+    def _choose_handler(self, spec: ModelSpec) -> None:
+        """Serve with the GGUF's own template rather than a built-in format that
+        ``chat_format`` names, when it has one (``workers.chat_handler``)."""
+        from llama_cpp import llama_chat_format
+
+        formats = llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers
+        chosen = chat_handler.preferred(spec.chat_format, _templates(self._llm), formats)
+        if spec.chat_format is not None and chosen != spec.chat_format:
+            log.info(
+                "%s: chat_format '%s' is a built-in format; the GGUF's own chat template is "
+                "used instead",
+                spec.path,
+                spec.chat_format,
+            )
+            self._llm.chat_format = chosen
+
+    def _renders(self, messages: list[dict[str, Any]]) -> str | None:
+        """The prompt text the loaded chat handler renders for ``messages``, generating
+        nothing (None: it refused them)."""
+        prompts: list[str] = []
+        prev = getattr(_serving, "count_only", False), getattr(_serving, "prompts", None)
+        _serving.count_only, _serving.prompts = True, prompts
+        try:
+            self.llm.create_chat_completion(messages=messages)
+        except Exception:  # a template's raise_exception, or a handler that cannot render it
+            return None
+        finally:
+            _serving.count_only, _serving.prompts = prev
+        return "".join(prompts)
+
+    def _probe_system(self) -> system_fold.SystemRoles:
+        """Which system messages the loaded chat handler renders where they stand, by
+        rendering a few probe conversations (``workers.system_fold``)."""
+        s1, s2, s3, u1, a1, u2 = (
+            f"probe{w}" for w in ("sysone", "systwo", "systhree", "userone", "answer", "usertwo")
+        )
+        sys1, sys2 = {"role": "system", "content": s1}, {"role": "system", "content": s2}
+        user = {"role": "user", "content": u1}
+        base = self._renders([user])
+        if base is None:
+            # Nothing can be learnt (a handler that needs more than the model has, e.g.
+            # functionary-v2's Hugging Face tokenizer): it gets the messages as they are.
+            log.warning(
+                "%s: the chat handler refuses a plain user turn; messages are passed to it "
+                "unchanged",
+                self.llm.model_path,
+            )
+            return system_fold.ALL
+        one = self._renders([sys1, user]) or ""
+        two = self._renders([sys1, sys2, user]) or ""
+        later = (
+            self._renders(
+                [
+                    sys1,
+                    user,
+                    {"role": "assistant", "content": a1},
+                    {"role": "system", "content": s3},
+                    {"role": "user", "content": u2},
+                ]
+            )
+            or ""
+        )
+        folded = self._renders([{"role": "user", "content": s1 + system_fold.SEPARATOR + u1}])
+        roles = system_fold.SystemRoles(
+            leading=s1 in one,
+            several=s1 in two and s2 in two,
+            later=s3 in later,
+            # A handler that drops even a user turn's text (open-orca) can be given a system
+            # text in none: such a message is refused.
+            folds=u1 in base and folded is not None and s1 in folded,
+        )
+        if not roles.complete:
+            log.info(
+                "%s: system messages folded where the chat handler drops them: %s",
+                self.llm.model_path,
+                roles,
+            )
+        return roles
+
+    @property
+    def system_roles(self) -> system_fold.SystemRoles:
+        """What the loaded chat handler renders of system messages."""
+        return self._system
+
+    def render(self, messages: list[dict[str, Any]]) -> str | None:
+        """The prompt text a chat request with ``messages`` gives the model (system messages
+        folded as ``chat`` folds them), generating nothing; None: the handler refused them."""
+        return self._renders(system_fold.fold(messages, self._system))
 
     @property
     def engine(self) -> Engine:
@@ -571,6 +675,8 @@ class LlamaRuntime:
     ) -> Any:
         if cache is not None and cache.scope == "shared_system":
             cache = CacheUse(cache.owner, cache.scope, self._system_tokens(params))
+        if params.get("messages"):
+            params = {**params, "messages": system_fold.fold(params["messages"], self._system)}
         plan = chat_tools.plan(params, self._tools, self.llm.chat_format, stream)
         params = self._grammars(plan)
         create = self.llm.create_chat_completion
@@ -584,15 +690,11 @@ class LlamaRuntime:
 
     def _system_tokens(self, params: dict[str, Any]) -> list[int]:
         """The tokens of the request's leading system message(s) rendered alone by the model's
-        chat handler, without tools or anything else the request adds: the prompt's tokens
-        that begin with these are its part other users may share. Empty when it has none, or
-        the template will not render them alone."""
-        messages = params.get("messages") or []
-        system: list[Any] = []
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") != "system":
-                break
-            system.append(m)
+        chat handler (as a user turn holding only their text where the handler folds them,
+        ``system_fold.shared_head``), without tools or anything else the request adds: the
+        prompt's tokens that begin with these are its part other users may share. Empty when
+        it has none, or the template will not render them alone."""
+        system = system_fold.shared_head(params.get("messages") or [], self._system)
         if not system:
             return []
         rendered: list[int] = []

@@ -254,7 +254,10 @@ def test_keys_and_errors_in_anthropics_envelope(port: int, client: anthropic.Ant
                 }
             ],
         )
-    assert bad.value.body["error"]["message"].startswith("messages.0.content.0.type: ")
+    # Taken as an image, and refused by the model that cannot see it, by name.
+    message = bad.value.body["error"]["message"]
+    assert message.startswith("messages.0.content.0: ")
+    assert "model 'a' cannot read images" in message
 
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="nope", max_tokens=4, messages=USER)

@@ -252,7 +252,15 @@ def test_errors_start_with_the_dotted_field() -> None:
                     }
                 ]
             ),
-            "messages[0].content[1].type",
+            "messages[0].content[1].source.media_type",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+            "messages[0].content[0].source.type",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
+            "messages[0].content[0].type",
         ),
         (
             body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "x"}]}]),
@@ -307,9 +315,37 @@ def test_bad_requests_name_the_field(b: dict[str, Any], param: str) -> None:
         pytest.fail("accepted")
 
 
-def test_an_image_is_refused_as_unsupported() -> None:
-    e = refused(body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]))
-    assert e.code == "unsupported" and "text only" in e.message
+def test_a_user_turns_images_become_image_url_parts_in_order() -> None:
+    png = {"type": "base64", "media_type": "image/png", "data": "AA=="}
+    content = [
+        {"type": "text", "text": "compare"},
+        {"type": "image", "source": png},
+        {"type": "image", "source": {"type": "url", "url": "https://example.invalid/b.png"}},
+    ]
+    chat = anthropic.to_chat(body(messages=[{"role": "user", "content": content}]))
+    assert chat["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "compare"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                {"type": "image_url", "image_url": {"url": "https://example.invalid/b.png"}},
+            ],
+        }
+    ]
+    # Chat's validation keeps them: the model that serves the request decides (vision).
+    assert validate_chat(chat).params["messages"] == chat["messages"]
+
+
+def test_images_elsewhere_and_documents_are_refused_as_unsupported() -> None:
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.invalid/a"}}
+    e = refused(body(messages=[{"role": "assistant", "content": [image]}]))
+    assert e.code == "unsupported" and e.param == "messages[0].content[0].type"
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
+    e = refused(body(messages=[{"role": "user", "content": [result]}]))
+    assert e.code == "unsupported" and e.param == "messages[0].content[0].content[0].type"
+    e = refused(body(messages=[{"role": "user", "content": [{"type": "document"}]}]))
+    assert e.code == "unsupported"
 
 
 # --- response ---------------------------------------------------------------------------------
