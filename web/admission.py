@@ -62,14 +62,16 @@ def worker_full(in_flight: int, retry_after: int) -> ApiError:
 @dataclass(eq=False)
 class Place:
     """One API request this worker holds. ``call``: its queued request (a ``bus.Call``) once
-    it was submitted, which is what can be pushed out; ``leaving``: it was pushed out and
-    gives its place back as soon as its thread has answered."""
+    it was submitted, which is what can be pushed out; ``pushing``: another request is pushing
+    it out now (no other picks it meanwhile); ``leaving``: it was pushed out and gives its
+    place back as soon as its thread has answered."""
 
     user: str
     weight: float
     started: float
     seq: int
     call: Any = None
+    pushing: bool = False
     leaving: bool = False
 
 
@@ -102,7 +104,8 @@ def share_victim(places: Iterable[Place], cap: int, user: str, weight: float) ->
     ]
     out: list[Place] = []
     for _excess, u in sorted(over, key=lambda x: -x[0]):
-        out += sorted((p for p in held[u] if p.call is not None), key=lambda p: -p.seq)
+        ready = (p for p in held[u] if p.call is not None and not p.pushing)
+        out += sorted(ready, key=lambda p: -p.seq)
     return out
 
 
@@ -138,7 +141,9 @@ class InFlight:
         ``cap``: ``push`` takes a candidate's queued request out of its model's queue with
         the 429 it is given (its thread answers it), or returns False when a model process
         took it already. Redis work runs outside the lock (a greenlet may yield there); a
-        candidate is marked leaving first, so no other request picks it meanwhile."""
+        candidate is marked ``pushing`` first, so no other request picks it meanwhile, and its
+        room is made only once the push succeeded (until then it is held: no other request
+        gets in on it)."""
         unpushable: set[Place] = set()
         for _ in range(PUSH_TRIES):
             with self._lock:
@@ -152,14 +157,17 @@ class InFlight:
                 if push is None or not victims:
                     raise worker_full(held, retry)
                 victim = victims[0]
-                victim.leaving = True
-                self.leaving += 1
-            if push(victim, pushed_out(held, retry)):
-                with self._lock:
-                    return self._add(user, weight)
+                victim.pushing = True
+            pushed = push(victim, pushed_out(held, retry))
             with self._lock:
-                victim.leaving = False
-                self.leaving -= 1
+                victim.pushing = False
+                if pushed:
+                    # Released meanwhile (its request ended as it was pushed): its place is
+                    # free already, and counting it leaving would shrink the worker for good.
+                    if victim in self._places:
+                        victim.leaving = True
+                        self.leaving += 1
+                    return self._add(user, weight)
                 unpushable.add(victim)
                 # A model process took it: it is served now, and no later request tries it.
                 victim.call = None

@@ -200,7 +200,10 @@ class Forwarded:
     def events(self) -> Iterator[dict[str, Any]]:
         """The JSON objects of the remote's SSE stream, up to ``[DONE]``."""
         try:
-            for line in self.resp.iter_lines(decode_unicode=True):
+            # SSE is UTF-8 whatever the Content-Type says (llama.cpp's server and Ollama send a
+            # bare text/event-stream, which requests would decode as Latin-1).
+            for raw in self.resp.iter_lines():
+                line = raw.decode("utf-8", "replace")
                 if not line or not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

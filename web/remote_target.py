@@ -48,12 +48,24 @@ class Allowed:
     private: bool = False  # server.allow_private_remotes
 
 
+#: NAT64 prefixes (RFC 6052's well-known one, RFC 8215's local-use one): the IPv4 address is
+#: the last 32 bits.
+_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+
+
+def _nat64(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if any(ip in net for net in _NAT64):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def refusal(ip: IPAddress, allowed: Allowed = Allowed()) -> tuple[str, str | None] | None:
     """Why ``ip`` is not a remote this box forwards to — (the reason, the setting that would
     allow it, or None when nothing does) — or None when it is one."""
     if isinstance(ip, ipaddress.IPv6Address):
-        # ::ffff:127.0.0.1 is 127.0.0.1, and so is 6to4's 2002:7f00:1::.
-        inner = ip.ipv4_mapped or ip.sixtofour
+        # ::ffff:127.0.0.1 is 127.0.0.1, and so is 6to4's 2002:7f00:1::, and NAT64's
+        # 64:ff9b::7f00:1 (a DNS64 network resolves names to it).
+        inner = ip.ipv4_mapped or ip.sixtofour or _nat64(ip)
         if inner is not None:
             return refusal(inner, allowed)
     if ip in METADATA:

@@ -581,3 +581,38 @@ def test_a_router_generates_only_for_an_admitted_caller_and_is_charged_to_it(
     assert usage_of_float(pool.r, "user:ann", "c", "prompt_tokens") > 0
     day = keys.quota_day(today())
     assert int(pool.r.hget(day, keys.quota_field("tokens", "key", ann.key_id)) or 0) == spent
+
+
+def test_counting_a_prompts_tokens_reserves_no_tokens_to_generate(
+    start_pool: Callable[..., Pool],
+) -> None:
+    """count_tokens generates nothing: while one is in flight it holds its prompt's
+    reservation only, not the model's token cap (512 here, what a chat without max_tokens
+    reserves), so its user's chat is admitted beside it under a 200-token quota."""
+    pool = start_pool(debug={"fault_injection": True})
+    c = app_for(pool).test_client()
+    ann = caller(c, "ann", tokens_per_day=200)
+    bob = caller(c, "bob")
+    assert ask(c, bob, max_tokens=1).status_code == 200  # a is loaded
+    faults(c, hold={"a": True})
+    held = in_thread(lambda: ask(app_for(pool).test_client(), bob, max_tokens=1))
+    pool.wait_for(lambda: pool.r.llen(keys.processing("a")) == 1, what="bob's chat held")
+    body = {"model": "a", "messages": MESSAGES}
+    count = in_thread(
+        lambda: (
+            app_for(pool)
+            .test_client()
+            .post("/v1/messages/count_tokens", json=body, headers=ann.headers)
+        )
+    )
+    pool.wait_for(lambda: pool.r.llen(keys.queue("a")) == 1, what="ann's count queued")
+    chat = in_thread(lambda: ask(app_for(pool).test_client(), ann, max_tokens=2))
+    pool.wait_for(
+        lambda: pool.r.llen(keys.queue("a")) == 2 or not chat[0].is_alive(),
+        what="ann's chat queued (or refused)",
+    )
+    faults(c, hold={"a": False})
+    for t, _ in (held, count, chat):
+        t.join(120)
+    assert count[1][0].status_code == 200, count[1][0].get_json()
+    assert chat[1][0].status_code == 200, chat[1][0].get_json()

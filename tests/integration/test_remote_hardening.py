@@ -64,6 +64,10 @@ class Remote:
             self.bodies.append(request.get_json())
             if kind == "usage" and request.get_json().get("stream"):
                 return Response(self._stream(request.get_json()), mimetype="text/event-stream")
+            if kind == "bare-sse":
+                # What llama.cpp's server and Ollama send: no charset in the Content-Type.
+                stream = self._stream(request.get_json(), ("h\u00e9l", "lo \u2713"))
+                return Response(stream, headers={"Content-Type": "text/event-stream"})
             if kind == "usage":
                 return jsonify({**CHAT_ANSWER, "usage": USAGE})
             return jsonify(
@@ -86,11 +90,12 @@ class Remote:
         self.thread.start()
 
     @staticmethod
-    def _stream(body: dict[str, Any]) -> Iterator[str]:
+    def _stream(body: dict[str, Any], pieces: tuple[str, ...] = ("hel", "lo")) -> Iterator[str]:
         chunk = {"id": "r", "object": "chat.completion.chunk", "model": "m"}
-        for piece in ("hel", "lo"):
+        for piece in pieces:
             delta = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
-            yield f"data: {json.dumps({**chunk, 'choices': [delta]})}\n\n"
+            data = json.dumps({**chunk, "choices": [delta]}, ensure_ascii=False)
+            yield f"data: {data}\n\n"
         if (body.get("stream_options") or {}).get("include_usage"):
             yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': USAGE})}\n\n"
         yield "data: [DONE]\n\n"
@@ -271,8 +276,12 @@ def test_the_address_policy() -> None:
         out = refusal(parse(a), Allowed(**allowed))
         return None if out is None else out[0]
 
-    for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200", "::ffff:169.254.169.254"):
+    metadata = ("169.254.169.254", "fd00:ec2::254", "100.100.100.200", "::ffff:169.254.169.254")
+    # NAT64 carries an IPv4 address in its last 32 bits (a DNS64 network resolves to it).
+    for a in (*metadata, "64:ff9b::a9fe:a9fe", "64:ff9b:1::a9fe:a9fe"):
         assert why(a, local=True, private=True) == "a cloud metadata service", a
+    assert why("64:ff9b::7f00:1") == "a loopback address"
+    assert why("64:ff9b::808:808") is None
     for a in ("10.0.0.1", "172.31.255.255", "192.168.0.1", "fc00::1", "fdff::1", "100.127.0.1"):
         assert why(a) == "in a private range", a
         assert why(a, private=True) is None, a
@@ -353,3 +362,19 @@ def test_the_forwarder_ignores_proxy_variables_and_netrc(
         assert remote.auth == [None]  # no credentials from .netrc
     finally:
         proxy.close()
+
+
+def test_a_remote_stream_is_read_as_utf8_whatever_its_content_type(
+    tmp_path: Path, redis_url: str, r: redis.Redis, remote: Remote
+) -> None:
+    register(r, "bare", remote.url("bare-sse"))
+    client = make_client(tmp_path, redis_url, allow_local=True)
+    body = {"model": "bare", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    resp = client.post(PATH, json=body)
+    assert resp.status_code == 200
+    text = ""
+    for line in resp.get_data(as_text=True).splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+    assert text == "h\u00e9llo \u2713"

@@ -116,6 +116,53 @@ def test_a_full_worker_pushes_out_for_a_user_within_its_share() -> None:
     assert f.count == 0
 
 
+def test_a_request_ending_while_it_is_pushed_out_leaves_the_worker_whole() -> None:
+    # The push is a Redis round trip: other greenlets run meanwhile. The request being pushed
+    # out may end then (its model process finished it).
+    for pushed in (False, True):
+        f = InFlight()
+        a = [f.admit(2, "a") for _ in range(2)]
+        for p in a:
+            p.call = object()
+
+        def push(p: Place, err: ApiError, f: InFlight = f, pushed: bool = pushed) -> bool:
+            f.release(p)  # it ended during the round trip
+            return pushed
+
+        b = f.admit(2, "b", push=push)  # its place freed meanwhile: taken
+        assert f.leaving == 0 and f.count == 2
+        f.release(b)
+        f.release(a[0])
+        assert f.count == 0 and f.leaving == 0
+        # The worker is whole: its cap is still its cap.
+        held = [f.admit(2, "c"), f.admit(2, "c")]
+        assert f.count == 2
+        for p in held:
+            f.release(p)
+
+
+def test_no_request_gets_in_on_a_place_while_it_is_being_pushed_out() -> None:
+    f = InFlight()
+    a = [f.admit(2, "a") for _ in range(2)]
+    for p in a:
+        p.call = object()
+    during: list[str] = []
+
+    def push(p: Place, err: ApiError) -> bool:
+        # Another request arrives during the round trip: the room is not made yet.
+        try:
+            f.admit(2, "a")
+            during.append("admitted")
+        except ApiError:
+            during.append("refused")
+        return False  # a model process took it: no room after all
+
+    with pytest.raises(ApiError):
+        f.admit(2, "b", push=push)
+    assert during == ["refused", "refused"]
+    assert f.count == 2 and f.leaving == 0
+
+
 def test_a_client_connection_above_descriptor_1023_is_judged_open_or_closed() -> None:
     """A worker holding a thousand clients has descriptors past select()'s limit."""
     import resource
