@@ -144,6 +144,16 @@ class Call:
         """Every reply message until done or error; raises the 503 timeout after cancelling.
         With ``keepalive_s``, ``(None, {})`` whenever that long passed without a message (a
         stream sends its client a comment line then)."""
+        try:
+            yield from self._replies()
+        except BaseException:
+            # Whatever ended the reading (a bad message, a Redis error, the greenlet killed, the
+            # body closed): nobody reads the reply now, so the request must not go on
+            # generating for nobody. A finished reply is closed already: this does nothing.
+            self.abandon()
+            raise
+
+    def _replies(self) -> Iterator[tuple[ReplyType | None, dict[str, Any]]]:
         key = keys.reply(self.req.id)
         deadline = time.monotonic() + self.timeout_s
         quiet_since = time.monotonic()

@@ -86,6 +86,15 @@ def remote_error(name: str, status: int, body: bytes) -> ApiError:
     except ValueError:
         doc = None
     err = doc.get("error") if isinstance(doc, dict) else None
+    if status in (401, 403, 407):
+        # The box's own credentials for the upstream (RESIDENCY_REMOTE_*), not the client's:
+        # passing the status on would tell the client its key is wrong.
+        return _bad_gateway(
+            name,
+            f"the upstream refused this box's credentials (HTTP {status}); the admin should "
+            "check the model's api_key_env variable",
+            "remote_auth_failed",
+        )
     if 400 <= status < 500 and isinstance(err, dict) and err.get("message"):
         code = err.get("code")
         return ApiError(

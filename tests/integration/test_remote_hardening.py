@@ -57,6 +57,9 @@ class Remote:
                 return Response("upstream meltdown", status=500, mimetype="text/plain")
             if kind == "text400":
                 return Response("bad thing", status=400, mimetype="text/plain")
+            if kind == "auth401":
+                err = {"message": "invalid api key", "type": "auth", "code": "invalid_api_key"}
+                return jsonify({"error": err}), 401
             if kind == "json400":
                 err = {"message": "prompt too long", "type": "x", "code": "context_length"}
                 return jsonify({"error": err}), 400
@@ -182,7 +185,7 @@ def test_remote_errors_keep_the_envelope(
     tmp_path: Path, redis_url: str, r: redis.Redis, remote: Remote
 ) -> None:
     client = make_client(tmp_path, redis_url, allow_local=True)
-    for kind in ("text500", "text400", "json400"):
+    for kind in ("text500", "text400", "json400", "auth401"):
         register(r, kind, remote.url(kind))
     err = error_of(ask(client, "text500"), 502)
     assert err["code"] == "bad_gateway" and "upstream meltdown" in err["message"]
@@ -190,6 +193,9 @@ def test_remote_errors_keep_the_envelope(
     assert "HTTP 400" in err["message"] and "bad thing" in err["message"]
     err = error_of(ask(client, "json400"), 400)  # a client error in the envelope keeps its status
     assert err["code"] == "context_length" and "prompt too long" in err["message"]
+    # The upstream refusing the box's own key is not the client's 401: a bad gateway.
+    err = error_of(ask(client, "auth401"), 502)
+    assert err["code"] == "remote_auth_failed" and "HTTP 401" in err["message"]
 
 
 def test_only_remote_prefixed_variables_are_sent_as_keys(
