@@ -13,18 +13,16 @@ shapes, never on text.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import requests
 
-from residency.tinymodel import write_tiny_model
-from tests.conftest import Pool, tiny_models
 from tests.fixtures.openai_schemas import RESPONSE_EVENTS, check, problems
-from tests.integration.test_bounded_work import http_server
-from tests.integration.tools_template import TOOLS_TEMPLATE
+from tests.integration.test_openai_compat import client
+
+__all__ = ["client"]  # the fixture ``base`` reads its address from
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARAMETERS = {
@@ -41,17 +39,9 @@ RESP_WEATHER = {"type": "function", "name": "get_weather", "parameters": PARAMET
 
 
 @pytest.fixture
-def base(start_pool: Callable[..., Pool], models_dir: Path) -> Iterator[str]:
-    """``a``: the plain ChatML tiny model; ``t``: one whose template takes tools; ``emb``: an
-    embedding model."""
-    tools_model = models_dir / "tiny-tools.gguf"
-    if not tools_model.exists():
-        write_tiny_model(tools_model, seed=5, chat_template=TOOLS_TEMPLATE)
-    models = tiny_models(models_dir)
-    models["t"] = {"path": str(tools_model), "n_ctx": 2048, "parallel": 1}
-    pool = start_pool(models=models)
-    with http_server(pool) as port:
-        yield f"http://127.0.0.1:{port}/v1"
+def base(client: openai.OpenAI) -> str:
+    """Models ``a`` (plain ChatML), ``t`` (a template with tools) and ``emb`` (embeddings)."""
+    return str(client.base_url).rstrip("/")
 
 
 def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
