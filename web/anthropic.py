@@ -470,7 +470,10 @@ class StreamEvents:
         return [*out, {"type": "content_block_start", "index": self._index, "content_block": block}]
 
     def ping(self) -> list[dict[str, Any]]:
-        return [*self._start(0), {"type": "ping"}]
+        # Before the first chunk (a model still loading, a queue) the message is not started:
+        # ``message_start`` carries the prompt's tokens, which come with that chunk. Clients
+        # skip a ping wherever it comes (the official SDKs drop it before parsing).
+        return [{"type": "ping"}]
 
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
         out = self._start(int(chunk.get("prompt_tokens") or 0))
@@ -551,6 +554,11 @@ def sse(event: Mapping[str, Any]) -> str:
 
 
 # --- errors -----------------------------------------------------------------------------------
+
+
+def on_path(path: str) -> bool:
+    """Whether ``path`` is the Messages API's (its errors use Anthropic's envelope)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def error_type(e: ApiError) -> str:
