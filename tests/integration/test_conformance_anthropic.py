@@ -10,7 +10,6 @@ answer report), also when the stream started with a keep-alive while its model l
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
 from tests.conftest import Pool, tiny_models
+from tests.fixtures import sse
 from tests.integration.test_anthropic_compat import ADMIN, FORCED, STOPS, USER, WEATHER
 from tests.integration.test_anthropic_compat import port as port
 from tests.integration.test_bounded_work import http_server
@@ -49,26 +49,10 @@ def whole(port: int, body: dict[str, Any]) -> Message:
 def stream(port: int, body: dict[str, Any]) -> list[dict[str, Any]]:
     """A stream's events, each checked: its ``event:`` line names its type, and every event
     but ``ping`` (which the SDK skips, and has no type for) parses as a stream event."""
-    out: list[dict[str, Any]] = []
-    named: str | None = None
-    url = f"http://127.0.0.1:{port}/v1/messages"
-    with requests.post(
-        url, json={**body, "stream": True}, headers=HEADERS, stream=True, timeout=120
-    ) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines(decode_unicode=True):
-            if not line or line.startswith(":"):
-                continue
-            field, _, value = line.partition(": ")
-            if field == "event":
-                named = value
-                continue
-            assert field == "data", line
-            ev = json.loads(value)
-            assert ev["type"] == named
-            if ev["type"] != "ping":
-                EVENT.validate_python(ev)
-            out.append(ev)
+    out: list[dict[str, Any]] = sse.read(f"http://127.0.0.1:{port}/v1/messages", body, HEADERS)
+    for ev in out:
+        if ev["type"] != "ping":
+            EVENT.validate_python(ev)
     kinds = [e["type"] for e in out if e["type"] != "ping"]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     return out

@@ -12,13 +12,13 @@ shapes, never on text.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import openai
 import pytest
 import requests
 
+from tests.fixtures import sse
 from tests.fixtures.openai_schemas import RESPONSE_EVENTS, check, problems
 from tests.integration.test_openai_compat import client
 
@@ -52,30 +52,7 @@ def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def events(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """A stream's ``data:`` objects, in order, up to ``[DONE]`` (the Responses API has none);
-    each ``event:`` line must name its data's type."""
-    out: list[dict[str, Any]] = []
-    named: str | None = None
-    with requests.post(base + path, json={**body, "stream": True}, stream=True, timeout=120) as r:
-        assert r.status_code == 200, r.text
-        assert r.headers["Content-Type"].startswith("text/event-stream")
-        for line in r.iter_lines(decode_unicode=True):
-            if not line or line.startswith(":"):
-                continue
-            field, _, value = line.partition(": ")
-            if field == "event":
-                named = value
-                continue
-            assert field == "data", line
-            if value == "[DONE]":
-                break
-            obj = json.loads(value)
-            if named is not None:
-                assert obj["type"] == named
-                named = None
-            out.append(obj)
-    assert out
-    return out
+    return sse.read(base + path, body)
 
 
 def check_all(name: str, objs: list[dict[str, Any]]) -> None:
