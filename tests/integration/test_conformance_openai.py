@@ -139,6 +139,25 @@ def test_models_list_and_one(base: str) -> None:
         check("Model", requests.get(f"{base}/models/{name}", timeout=30).json())
 
 
+def test_errors(base: str) -> None:
+    def refused(method: str, path: str, body: Any, status: int) -> dict[str, Any]:
+        resp = requests.request(method, base + path, json=body, timeout=60)
+        assert resp.status_code == status, resp.text
+        out: dict[str, Any] = resp.json()
+        check("ErrorResponse", out)
+        return out
+
+    chat = {"model": "a", "messages": USER}
+    assert refused("POST", "/chat/completions", {**chat, "top_p": "x"}, 400)
+    refused("POST", "/chat/completions", {**chat, "model": "nope"}, 404)
+    refused("POST", "/completions", {"model": "a"}, 400)
+    refused("POST", "/embeddings", {"model": "a", "input": "x"}, 400)  # not an embedding model
+    refused("POST", "/responses", {"model": "a", "input": "x", "previous_response_id": "r"}, 400)
+    refused("GET", "/models/nope", None, 404)
+    refused("GET", "/nowhere", None, 404)
+    refused("GET", "/chat/completions", None, 405)
+
+
 # --- responses --------------------------------------------------------------------------------
 
 
