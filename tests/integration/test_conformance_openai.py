@@ -69,8 +69,16 @@ def check_all(name: str, objs: list[dict[str, Any]]) -> None:
         {},
         {"logprobs": True, "top_logprobs": 2},
         {"response_format": {"type": "json_object"}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "w", "schema": PARAMETERS},
+            },
+            "max_tokens": 100,
+        },
+        {"stop": [" ", "e", "a"], "temperature": 1.0, "max_tokens": 60},
     ],
-    ids=["text", "logprobs", "json"],
+    ids=["text", "logprobs", "json", "schema", "stop"],
 )
 def test_chat_answers_whole_and_streamed(base: str, extra: dict[str, Any]) -> None:
     body = {"model": "a", "messages": USER, "max_tokens": 6, **extra}
@@ -109,7 +117,9 @@ def test_chat_tool_calls_whole_and_streamed(base: str, model: str, choice: Any) 
 # --- completions, embeddings, models ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"echo": True}], ids=str)
+@pytest.mark.parametrize(
+    "extra", [{}, {"logprobs": 2}, {"echo": True}, {"suffix": " The end."}], ids=str
+)
 def test_completions_whole_and_streamed(base: str, extra: dict[str, Any]) -> None:
     body = {"model": "a", "prompt": "Once upon a time", "max_tokens": 5, **extra}
     whole = post(base, "/completions", body)
@@ -188,8 +198,9 @@ def check_response_events(evs: list[dict[str, Any]]) -> None:
             "text": {"format": {"type": "json_schema", "name": "w", "schema": PARAMETERS}},
             "max_output_tokens": 100,
         },
+        {"model": "t", "tools": [RESP_WEATHER], "max_output_tokens": 30},
     ],
-    ids=["text", "echoed", "required", "forced", "schema"],
+    ids=["text", "echoed", "required", "forced", "schema", "t-auto"],
 )
 def test_responses_whole_and_streamed(base: str, extra: dict[str, Any]) -> None:
     body = {"model": "a", "input": "What is the weather in Paris?", **extra}
