@@ -197,3 +197,15 @@ def test_the_sdk_raises_its_typed_errors(port: int) -> None:
             model="a", max_tokens=4, messages=[{"role": "user", "content": "x" * 2_000_000}]
         )
     assert big.value.body["error"]["type"] == "request_too_large"
+
+    admin(port, "/admin/users", {"name": "sdk", "quotas": {"requests_per_minute": 1}})
+    scoped = client.with_options(
+        api_key=admin(port, "/admin/users/sdk/keys", {"models": ["t"]})["key"]
+    )
+    with pytest.raises(anthropic.PermissionDeniedError) as denied:
+        scoped.messages.create(model="a", max_tokens=4, messages=USER)
+    ErrorResponse.model_validate(denied.value.body)
+    assert scoped.messages.count_tokens(model="t", messages=USER).input_tokens > 0
+    with pytest.raises(anthropic.RateLimitError) as limited:
+        scoped.messages.count_tokens(model="t", messages=USER)
+    ErrorResponse.model_validate(limited.value.body)
