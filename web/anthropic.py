@@ -579,8 +579,17 @@ class StreamEvents:
         self._open = block["type"]
         return [*out, {"type": "content_block_start", "index": self._index, "content_block": block}]
 
+    @property
+    def started(self) -> bool:
+        """Whether ``message_start`` went out (with the first chunk)."""
+        return self._started
+
     def ping(self) -> list[dict[str, Any]]:
-        return [*self._start(0), {"type": "ping"}]
+        # Before the first chunk (a model still loading, a queue) the message is not started:
+        # ``message_start`` carries the prompt's tokens, which come with that chunk; the API
+        # module keeps the stream alive with comment lines until then, as Anthropic's own
+        # streams always begin with ``message_start``.
+        return [{"type": "ping"}]
 
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
         out = self._start(int(chunk.get("prompt_tokens") or 0))
@@ -661,6 +670,11 @@ def sse(event: Mapping[str, Any]) -> str:
 
 
 # --- errors -----------------------------------------------------------------------------------
+
+
+def on_path(path: str) -> bool:
+    """Whether ``path`` is the Messages API's (its errors use Anthropic's envelope)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def error_type(e: ApiError) -> str:

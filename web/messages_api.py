@@ -133,6 +133,8 @@ class _Events:
         return "".join(map(anthropic.sse, self._events.feed(chunk)))
 
     def keepalive(self) -> str:
+        if not self._events.started:
+            return stream.KEEPALIVE  # message_start comes first, with the prompt's tokens
         return "".join(map(anthropic.sse, self._events.ping()))
 
     def end(self) -> str:

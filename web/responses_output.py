@@ -61,7 +61,7 @@ def response_object(
     error: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    return {
+    out: dict[str, Any] = {
         "id": meta.id,
         "object": "response",
         "created_at": meta.created_at,
@@ -70,9 +70,17 @@ def response_object(
         "incomplete_details": incomplete,
         "model": meta.model,
         "output": output,
-        "usage": usage,
-        **echo,
+        # OpenAI's schema types these as an object and a string, never null: a response
+        # still in progress (or that failed before its usage was known), and a request
+        # that named no user, leave them out.
+        **({} if usage is None else {"usage": usage}),
+        **{k: v for k, v in echo.items() if v is not None or k not in _NOT_NULLABLE},
     }
+    return out
+
+
+#: Fields the request repeats in the answer that OpenAI's Response has no null for.
+_NOT_NULLABLE = frozenset({"user"})
 
 
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -86,7 +94,8 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
+    # No logprobs are asked for in the Responses API here, but the part requires the list.
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -223,10 +232,12 @@ class Events:
             done = message_item(it.item["id"], text, status)
         else:
             args = "".join(it.text)
-            events.append(
-                self._event("response.function_call_arguments.done", **ids, arguments=args)
-            )
             i = it.item
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done", **ids, name=i["name"], arguments=args
+                )
+            )
             done = call_item(i["id"], i["call_id"], i["name"], args, status)
         self.output.append(done)
         events.append(self._event("response.output_item.done", output_index=it.index, item=done))

@@ -28,7 +28,7 @@ from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
 from residency.settings import ModelSpec, WorkerSettings
 from residency.states import ModelState
-from workers import memory
+from workers import chat_shape, memory
 from workers.completion import REPORT, CacheUse, OnUsage
 from workers.engine import EngineDied
 from workers.faults import FaultyRuntime, StepFaults
@@ -566,10 +566,14 @@ class ModelProcess:
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
+            if req.kind is Kind.CHAT:
+                chat_shape.answer(result)
             if report:
                 _stop_sequence(result)
             return ReplyType.DONE, result
         assert not isinstance(result, dict)
+        if req.kind is Kind.CHAT:
+            result = chat_shape.chunks(result)
         if report:
             result = _reported(result)
         if opts.get("include_usage"):
@@ -683,14 +687,16 @@ def _adder(total: list[int]) -> OnUsage:
 def _with_usage(
     chunks: Iterable[dict[str, Any]], usage: list[int], model: str
 ) -> Iterator[dict[str, Any]]:
-    """``stream_options.include_usage``: every chunk carries ``usage: null`` and, after the
-    last, one more with no choices and the request's usage (OpenAI's shape). The engine has
-    counted the tokens by the time the chunks end."""
+    """``stream_options.include_usage``: after the last chunk, one more with no choices and
+    the request's usage (OpenAI's shape); every chat chunk before it carries ``usage: null``
+    (a completion chunk does not: OpenAI's schema has no null there). The engine has counted
+    the tokens by the time the chunks end."""
     last: dict[str, Any] | None = None
     it = iter(chunks)
     try:
         for chunk in it:
-            chunk.setdefault("usage", None)
+            if chunk.get("object") == "chat.completion.chunk":
+                chunk.setdefault("usage", None)
             last = chunk
             yield chunk
     finally:

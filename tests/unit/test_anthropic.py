@@ -529,8 +529,13 @@ def test_a_tool_call_stream_becomes_input_json_deltas() -> None:
 
 
 def test_pings_and_an_empty_stream() -> None:
-    events = run([chunk({"content": "x"})], keepalive_first=True)
-    assert types(events)[:2] == ["message_start", "ping"]
+    # A keep-alive before the first chunk does not start the message: message_start waits for
+    # the chunk that carries the prompt's tokens.
+    first = chunk({"content": "x"})
+    first["prompt_tokens"] = 9
+    events = run([first], keepalive_first=True)
+    assert types(events)[:2] == ["ping", "message_start"]
+    assert events[1]["message"]["usage"]["input_tokens"] == 9
     assert types(run([])) == ["message_start", "message_delta", "message_stop"]
 
 
