@@ -20,8 +20,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from residency.errors import ApiError
+from residency.grammar_limits import MAX_SCHEMA_BYTES, unbounded
 from residency.settings import ModelSpec
-from workers import chat_tools, completion, devices, rerank, toolcalls
+from workers import chat_tools, completion, devices, generic_tools, rerank, toolcalls
 from workers.completion import CacheUse, OnUsage, Pieces
 from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling
 
@@ -206,12 +207,37 @@ def _guarded(
                 close()
 
 
+#: A JSON string's character, as llama.cpp's own converter writes it: no raw control character
+#: (JSON wants them escaped; llama-cpp-python's copy admits \x00-\x1F, and a model sampling
+#: one makes the answer fail to parse).
+STRICT_CHAR = (
+    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
+    r"[0-9a-fA-F])"
+)
+#: A pattern's "." inside a JSON string: not a line break (as the converter means it), nor a
+#: quote, backslash or control character, which would end or break the string.
+STRICT_DOT = r'[^"\\\x7F\x00-\x1F]'
+
+
+@functools.cache
+def _strict_strings() -> None:
+    """Every grammar this process builds from a JSON schema — ours (``_grammar``) and those
+    llama-cpp-python's chat handlers build for tools — goes through its converter's rule
+    table: the string rules are set there, once."""
+    from llama_cpp import llama_grammar
+
+    llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(STRICT_CHAR, [])
+    llama_grammar.DOT = STRICT_DOT
+
+
 @functools.cache
 def _batched_llama() -> Any:
     """llama_cpp.Llama whose ``create_completion`` runs on the batched engine. Its chat handlers
     (formatters, tools, response_format grammars) call ``create_completion`` on the model
     object, so chat requests reach the engine through them unchanged."""
     import llama_cpp  # imported here: web and coordinator processes never need it
+
+    _strict_strings()
 
     class BatchedLlama(llama_cpp.Llama):
         engine: Engine | None = None
@@ -433,6 +459,8 @@ class LlamaBackend:
 
 def _grammar_param(plan: chat_tools.Plan) -> str | None:
     """The field of a chat request its grammar comes from (None: it has none)."""
+    if plan.generic is not None:
+        return plan.generic.param
     if plan.forced is not None:
         return plan.forced[0]
     if plan.schema is not None or plan.params.get("tools"):
@@ -576,6 +604,11 @@ class LlamaRuntime:
         create = self.llm.create_chat_completion
         hooks = Hooks(on_step, on_usage, on_progress, cache)
         out = self._call(create, params, stream, "messages", hooks, _grammar_param(plan))
+        if plan.generic is not None:
+            names = plan.generic.names
+            if stream:
+                return toolcalls.stream_with_calls(out, names, generic_tools.Reader)
+            return toolcalls.answer_with_calls(out, names, generic_tools.Reader)
         if plan.parse:
             if stream:
                 return toolcalls.stream_with_calls(out, plan.parse)
@@ -612,6 +645,8 @@ class LlamaRuntime:
         JSON (llama-cpp-python falls back) nor a grammar llama.cpp refuses at sampling time."""
         params = dict(plan.params)
         rf = params.get("response_format")
+        if plan.generic is not None:
+            params["grammar"] = self._generic_grammar(plan.generic)
         if plan.forced is not None:
             self._grammar(plan.forced[1], plan.forced[0])  # checked; the handler builds it
         if plan.schema is not None:
@@ -621,15 +656,44 @@ class LlamaRuntime:
             params["grammar"] = self._grammar(rf.get("schema"), "response_format")
         return params
 
-    def _grammar(self, schema: dict[str, Any] | None, param: str) -> Any:
+    def _generic_grammar(self, g: generic_tools.Generic) -> Any:
+        """The generic format's grammar. A forced call's schemas were checked by web, and one
+        it cannot enforce is the client's 400. With ``auto`` the grammar only shapes an answer
+        the model may give: a tool whose parameters cannot be compiled, or tools too large to
+        compile together, have their arguments held to any JSON object instead."""
+        if g.mode != generic_tools.AUTO:
+            return self._grammar(generic_tools.answer_schema(g), g.param)
+        from llama_cpp import llama_grammar
+
+        anything: dict[str, Any] = {"type": "object"}
+        args: list[dict[str, Any]] = []
+        for a in g.arguments:
+            loose = unbounded(a, loosen=True)
+            try:
+                llama_grammar.json_schema_to_gbnf(json.dumps(loose))
+            except Exception:  # the converter raises ValueError, AssertionError, KeyError...
+                loose = anything
+            args.append(loose)
+        schema = generic_tools.answer_schema(g, tuple(args))
+        if len(json.dumps(schema, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+            schema = generic_tools.answer_schema(g, (anything,) * len(args))
+        try:
+            return self._grammar(schema, g.param, loosen=True)
+        except ApiError:  # a schema the converter took and llama.cpp refuses
+            return self._grammar(generic_tools.answer_schema(g, (anything,) * len(args)), g.param)
+
+    def _grammar(self, schema: dict[str, Any] | None, param: str, loosen: bool = False) -> Any:
+        """The grammar of ``schema`` (None: any JSON), with its bounds past what a grammar
+        holds dropped (``residency.grammar_limits.unbounded``)."""
         import llama_cpp
         from llama_cpp import llama_grammar
 
+        _strict_strings()
         try:
             gbnf = (
                 llama_grammar.JSON_GBNF
                 if schema is None
-                else llama_grammar.json_schema_to_gbnf(json.dumps(schema))
+                else llama_grammar.json_schema_to_gbnf(json.dumps(unbounded(schema, loosen)))
             )
         except Exception as e:  # the converter raises ValueError, AssertionError, KeyError...
             raise ApiError(
