@@ -665,24 +665,23 @@ class LlamaRuntime:
             return self._grammar(generic_tools.answer_schema(g), g.param)
         from llama_cpp import llama_grammar
 
-        anything: dict[str, Any] = {"type": "object"}
-        args: list[dict[str, Any]] = []
-        for a in g.arguments:
-            loose = unbounded(a, loosen=True)
+        anything = generic_tools.answer_schema(g, ({"type": "object"},) * len(g.arguments))
+        args = [unbounded(a, loosen=True) for a in g.arguments]
+        # Measured before anything is converted: up to 128 tools of 64 KiB each would
+        # otherwise cost this thread their conversions on every request.
+        if len(json.dumps(generic_tools.answer_schema(g, tuple(args)))) > MAX_SCHEMA_BYTES:
+            return self._grammar(anything, g.param)
+        for i, a in enumerate(args):
             try:
-                llama_grammar.json_schema_to_gbnf(json.dumps(loose))
+                llama_grammar.json_schema_to_gbnf(json.dumps(a))
             except Exception:  # the converter raises ValueError, AssertionError, KeyError...
-                loose = anything
-            args.append(loose)
-        schema = generic_tools.answer_schema(g, tuple(args))
-        if len(json.dumps(schema, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
-            schema = generic_tools.answer_schema(g, (anything,) * len(args))
+                args[i] = {"type": "object"}
         try:
-            return self._grammar(schema, g.param, loosen=True)
+            return self._grammar(generic_tools.answer_schema(g, tuple(args)), g.param)
         except ApiError:  # a schema the converter took and llama.cpp refuses
-            return self._grammar(generic_tools.answer_schema(g, (anything,) * len(args)), g.param)
+            return self._grammar(anything, g.param)
 
-    def _grammar(self, schema: dict[str, Any] | None, param: str, loosen: bool = False) -> Any:
+    def _grammar(self, schema: dict[str, Any] | None, param: str) -> Any:
         """The grammar of ``schema`` (None: any JSON), with its bounds past what a grammar
         holds dropped (``residency.grammar_limits.unbounded``)."""
         import llama_cpp
@@ -693,7 +692,7 @@ class LlamaRuntime:
             gbnf = (
                 llama_grammar.JSON_GBNF
                 if schema is None
-                else llama_grammar.json_schema_to_gbnf(json.dumps(unbounded(schema, loosen)))
+                else llama_grammar.json_schema_to_gbnf(json.dumps(unbounded(schema)))
             )
         except Exception as e:  # the converter raises ValueError, AssertionError, KeyError...
             raise ApiError(

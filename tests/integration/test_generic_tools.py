@@ -260,13 +260,33 @@ BIG = {
 }
 
 
+# What no grammar enforces cheaply: a costly nested pattern, a format the converter ignores, a
+# keyword it cannot read. With "auto" web cannot know whether a grammar is built; the generic
+# grammar loosens them.
+LOOSE = {
+    "type": "function",
+    "function": {
+        "name": "loose",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "s": {"type": "string", "pattern": "^((a|b){0,100}){0,100}$"},
+                "e": {"type": "string", "format": "email"},
+                "n": {"not": {"type": "null"}},
+            },
+        },
+    },
+}
+
+
 @pytest.mark.parametrize("model", ["t", "g"])
 def test_a_tool_with_a_huge_max_length_is_accepted_and_compiles(
     client: openai.OpenAI, model: str
 ) -> None:
     # auto: no grammar on a template that takes tools; the generic grammar drops the bound.
-    out = client.chat.completions.create(model=model, messages=USER, tools=[BIG], max_tokens=8)
-    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for tools in ([BIG], [BIG, LOOSE]):
+        out = client.chat.completions.create(model=model, messages=USER, tools=tools, max_tokens=8)
+        assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # required: a grammar is built either way, with the bound dropped (no 400).
     out = client.chat.completions.create(
         model=model, messages=USER, tools=[BIG], tool_choice="required", max_tokens=8
@@ -274,7 +294,7 @@ def test_a_tool_with_a_huge_max_length_is_accepted_and_compiles(
     assert out.choices[0].finish_reason in ("length", "tool_calls")
 
 
-def test_json_schema_strings_never_hold_raw_control_characters(client: openai.OpenAI) -> None:
+def test_grammar_strings_never_hold_raw_control_characters(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
         "properties": {
@@ -300,3 +320,31 @@ def test_json_schema_strings_never_hold_raw_control_characters(client: openai.Op
         assert c.finish_reason == "stop", c
         value = json.loads(c.message.content or "")
         assert isinstance(value["s"], str)
+    # A tool call's arguments: the handler's grammar (a template that takes tools) and the
+    # generic one.
+    note = {
+        "type": "function",
+        "function": {
+            "name": "note",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string", "maxLength": 24}},
+                "required": ["text"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for model in ("t", "g"):
+        for seed in range(5):
+            out = client.chat.completions.create(
+                model=model,
+                messages=USER,
+                tools=[note],
+                tool_choice={"type": "function", "function": {"name": "note"}},
+                temperature=1.0,
+                seed=seed,
+                max_tokens=200,
+                logit_bias=CONTROL_BYTES,
+            )
+            [tc] = out.choices[0].message.tool_calls or []
+            assert isinstance(json.loads(tc.function.arguments)["text"], str)
