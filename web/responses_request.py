@@ -508,6 +508,8 @@ def to_chat(body: Mapping[str, Any]) -> Translated:
         chat["tools"] = [_chat_tool(t) for t in tools]
     if choice is not None and tools:
         chat["tool_choice"] = _chat_choice(choice)
+    if ptc is not None and tools:
+        chat["parallel_tool_calls"] = ptc
     if response_format is not None:
         chat["response_format"] = response_format
     for key in ("temperature", "top_p"):

@@ -7,26 +7,31 @@ a 400 ``ApiError`` whose ``param`` names the field, e.g. ``messages[1].content``
 
 Only what the client sent is passed on (no defaults are injected): llama-cpp-python's own
 defaults apply otherwise. OpenAI fields that have no meaning here (``user``, ``metadata``,
-``parallel_tool_calls``, ``store``…) are accepted and ignored, because the official clients
-send some of them on every call (the API module names them in the ``x-residency-ignored``
-header); those that would change the answer and are not served (``audio``, a modality other
-than text, ``web_search_options``) are refused by name. ``stream_options`` travels in the
-params to the model process, which takes it out before generating (it writes the usage chunk).
+``store``…) are accepted and ignored, because the official clients send some of them on every
+call (the API module names them in the ``x-residency-ignored`` header); those that would change
+the answer and are not served (``audio``, a modality other than text, ``web_search_options``)
+are refused by name. ``stream_options`` and ``parallel_tool_calls`` (with tools) travel in the
+params to the model process, which takes them out before generating.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from residency.errors import ApiError, bad_request
+from residency.grammar_limits import (
+    MAX_PATTERN_NESTING,
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_REPEAT,
+    costly_patterns,
+    unbounded,
+)
 from residency.tool_schema import call_schema
 from web.grammar_schema import unsupported
-from web.pattern_cost import nesting
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -41,27 +46,6 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_EMBEDDING_INPUTS = 2048
-#: Largest JSON schema (compact JSON, bytes) in response_format or one tool's parameters.
-MAX_SCHEMA_BYTES = 64 * 1024
-#: Largest count in a schema's minItems/maxItems/minProperties/maxProperties, minLength/
-#: maxLength and {n,m} repeats of a "pattern": llama.cpp's grammar builder writes (and, for
-#: separated items, recurses) once per repetition.
-MAX_SCHEMA_REPEAT = 256
-_SCHEMA_COUNTS = (
-    "minItems",
-    "maxItems",
-    "minProperties",
-    "maxProperties",
-    "minLength",
-    "maxLength",
-    "minContains",
-    "maxContains",
-)
-_PATTERN_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-#: Largest product of a pattern's repeats nested inside each other (``web.pattern_cost``):
-#: nested, they multiply the places llama.cpp's grammar parser tracks at once, so together
-#: they may not exceed what one flat repeat may be.
-MAX_PATTERN_NESTING = MAX_SCHEMA_REPEAT
 #: Integers llama.cpp takes as C ints (max_tokens) or int64 (seed).
 MAX_INT32 = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -140,7 +124,9 @@ def _max_chars(param: str, s: str, cap: int) -> None:
 
 def check_schema(param: str, schema: dict[str, Any]) -> None:
     """400 when a JSON schema (response_format, tool parameters) is larger than
-    MAX_SCHEMA_BYTES or asks for more repetitions than MAX_SCHEMA_REPEAT anywhere in it."""
+    MAX_SCHEMA_BYTES: what every schema is held to, whether or not a grammar is built from it
+    (a tool's schema is also rendered into the prompt). Its bounds are checked only where a
+    grammar is built (``check_enforceable``)."""
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > MAX_SCHEMA_BYTES:
         raise bad_request(
@@ -148,47 +134,14 @@ def check_schema(param: str, schema: dict[str, Any]) -> None:
             param,
             "schema_too_large",
         )
-    # The body's nesting is already bounded (web.body.MAX_JSON_DEPTH): a stack, not recursion.
-    stack: list[tuple[str, Any]] = [(param, schema)]
-    while stack:
-        path, node = stack.pop()
-        if isinstance(node, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(node))
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key, v in node.items():
-            here = f"{path}.{key}"
-            if key in _SCHEMA_COUNTS and _is_number(v) and v > MAX_SCHEMA_REPEAT:
-                raise _too_many_repeats(here, v)
-            if key == "pattern" and isinstance(v, str):
-                for m in _PATTERN_REPEAT.finditer(v):
-                    for g in m.groups():
-                        # Length first: int() refuses strings of thousands of digits.
-                        if g and (len(g) > 9 or int(g) > MAX_SCHEMA_REPEAT):
-                            raise _too_many_repeats(here, g[:12])
-                _pattern_nesting(here, v)
-            if isinstance(v, dict | list):
-                stack.append((here, v))
-
-
-def _pattern_nesting(param: str, pattern: str) -> None:
-    body = pattern.removeprefix("^").removesuffix("$")
-    product = nesting(body, MAX_PATTERN_NESTING)
-    if product > MAX_PATTERN_NESTING:
-        raise bad_request(
-            f"'{param}' nests repeats inside repeats that multiply to more than "
-            f"{MAX_PATTERN_NESTING} (e.g. (x{{0,100}}){{0,100}} is 10000); llama.cpp's grammar "
-            "would track every way of splitting the text between them on every token. "
-            "Flatten the pattern, or bound the string with maxLength instead",
-            param,
-            "schema_too_large",
-        )
 
 
 def check_enforceable(param: str, schema: dict[str, Any]) -> None:
-    """400 naming the first part of a JSON schema the sampling grammar would not enforce
-    (``web.grammar_schema``): a request is refused rather than answered unconstrained."""
+    """For a schema a grammar is built from (response_format, a forced or ``required`` tool
+    call): 400 naming the first part the sampling grammar would not enforce
+    (``web.grammar_schema``), so a request is refused rather than answered unconstrained, and
+    400 for a ``pattern`` whose nested repeats are too costly to sample. Counts past
+    MAX_SCHEMA_REPEAT are not refused: the grammar drops them (``residency.grammar_limits``)."""
     err = unsupported(schema, param)
     if err is not None:
         raise bad_request(
@@ -199,15 +152,16 @@ def check_enforceable(param: str, schema: dict[str, Any]) -> None:
             err.path,
             "unsupported_schema",
         )
-
-
-def _too_many_repeats(param: str, n: Any) -> ApiError:
-    return bad_request(
-        f"'{param}' asks for {n} repetitions; at most {MAX_SCHEMA_REPEAT} are supported "
-        "(each becomes part of the sampling grammar)",
-        param,
-        "schema_too_large",
-    )
+    for path, _ in costly_patterns(schema, param):
+        raise bad_request(
+            f"'{path}' nests repeats inside repeats that multiply to more than "
+            f"{MAX_PATTERN_NESTING} (e.g. (x{{0,100}}){{0,100}} is 10000; a bound past "
+            f"{MAX_SCHEMA_REPEAT} counts as unbounded); llama.cpp's grammar would track every "
+            "way of splitting the text between them on every token. Flatten the pattern, or "
+            "bound the string with maxLength instead",
+            path,
+            "schema_too_large",
+        )
 
 
 def _model(body: Mapping[str, Any]) -> str:
@@ -487,10 +441,22 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
     params["tool_choice"] = choice
 
 
+def _parallel_tool_calls(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    """Passed on with tools: a model whose template takes no tools answers a list of calls
+    only when it is true (``workers.generic_tools``)."""
+    ptc = body.get("parallel_tool_calls")
+    if ptc is None:
+        return
+    if not isinstance(ptc, bool):
+        raise wrong_type("parallel_tool_calls", "a boolean", ptc)
+    if params.get("tools"):
+        params["parallel_tool_calls"] = ptc
+
+
 def _required_union(tools: list[dict[str, Any]]) -> None:
     """``tool_choice: "required"`` is enforced by one grammar over every tool (an ``anyOf`` of
     their calls): that union is one schema, held to the size one schema may have."""
-    size = len(json.dumps(call_schema(tools), separators=(",", ":")))
+    size = len(json.dumps(unbounded(call_schema(tools)), separators=(",", ":")))
     if size > MAX_SCHEMA_BYTES:
         raise bad_request(
             f"'tool_choice': 'required' makes one grammar of the {len(tools)} tools' calls, "
@@ -571,6 +537,7 @@ def validate_chat(body: Mapping[str, Any]) -> Validated:
     _n(body)
     _sampling(body, params)
     _tools(body, params)
+    _parallel_tool_calls(body, params)
     _response_format(body, params)
     _logprobs_chat(body, params)
     return Validated(model, params, _stream(body, params))

@@ -8,9 +8,14 @@ A model takes tools in one of two ways:
 * ``HANDLER``: ``chat_format`` names one of llama-cpp-python's function-calling handlers,
   which render the tools and return ``tool_calls`` themselves.
 
-Any other model cannot be told about tools, so ``tool_choice`` ``auto`` (or none given) is
-refused with 400 rather than answered as if there were no tools. A named function or
-``required`` works everywhere: the call is then enforced by a grammar.
+Any other model is told about the tools the way llama.cpp's server does for such a template
+(``workers.generic_tools``): a system message describes them, and a grammar makes the answer a
+JSON call or reply. Its messages' tool calls and results are written as text too.
+
+A grammar built from a tool's parameters drops bounds too large to compile
+(``residency.grammar_limits``); with ``tool_choice`` ``auto`` it is only the shape of an answer
+the model may give, so a pattern too costly to enforce is dropped too, where a forced call
+(checked by web) keeps it or was refused.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from residency.errors import ApiError
+from residency.grammar_limits import unbounded
 from residency.tool_schema import call_schema, parameters
+from workers import generic_tools
 
 TEMPLATE = "template"
 HANDLER = "handler"
@@ -55,26 +62,13 @@ def describe(chat_format: str | None) -> str:
     return f"chat format '{chat_format}'" if chat_format else "chat format"
 
 
-def no_tools(chat_format: str | None) -> ApiError:
-    return ApiError(
-        400,
-        f"this model's {describe(chat_format)} cannot take tools: tools work with a GGUF chat "
-        "template that references `tools` (leave `chat_format` unset to use it; e.g. Qwen, "
-        "Hermes, Llama 3.1+) or chat_format "
-        + ", ".join(FUNCTION_CALLING_FORMATS)
-        + ". Without one, name a function in 'tool_choice' or send 'required' "
-        "(the call is then enforced by a grammar), or send no tools",
-        param="tools",
-        code="tools_unsupported",
-    )
-
-
 @dataclass
 class Plan:
     """How to run one chat request: the arguments for ``create_chat_completion``, the names
     of the calls to parse from its text (empty: none), a JSON schema its answer must follow
-    (``tool_choice: "required"``), the forced tool whose parameters become the grammar, and
-    whether a stream's tool-call chunks need OpenAI's shape."""
+    (``tool_choice: "required"``), the forced tool whose parameters become the grammar, whether
+    a stream's tool-call chunks need OpenAI's shape, and the generic format's tools (a model
+    whose template takes none)."""
 
     params: dict[str, Any]
     parse: frozenset[str] = frozenset()
@@ -82,9 +76,22 @@ class Plan:
     forced: tuple[str, dict[str, Any]] | None = None  # (param path, parameters schema)
     normalize: bool = False
     names: list[str] = field(default_factory=list)
+    generic: generic_tools.Generic | None = None
+
+
+def _compiled(tool: dict[str, Any], loosen: bool) -> dict[str, Any]:
+    """``tool`` with its parameters as a grammar is built from them."""
+    fn = tool["function"]
+    if not isinstance(fn.get("parameters"), dict):
+        return tool
+    return {**tool, "function": {**fn, "parameters": unbounded(fn["parameters"], loosen)}}
 
 
 def plan(params: dict[str, Any], how: str | None, chat_format: str | None, stream: bool) -> Plan:
+    params = dict(params)
+    parallel = params.pop("parallel_tool_calls", None) is True
+    if how is None and isinstance(params.get("messages"), list):
+        params["messages"] = generic_tools.history_as_text(params["messages"])
     tools = params.get("tools")
     choice = params.get("tool_choice")
     if not tools:
@@ -99,27 +106,36 @@ def plan(params: dict[str, Any], how: str | None, chat_format: str | None, strea
                 param="stream",
                 code="unsupported",
             )
+        # The handler builds its grammars from any of the tools' parameters.
+        loosen = choice in (None, "auto")
+        params["tools"] = [_compiled(t, loosen) for t in tools]
         return Plan(params, normalize=stream, names=names)
     if choice == "none":
         rest = {k: v for k, v in params.items() if k not in ("tools", "tool_choice")}
         return Plan(rest)
+    if (choice == "required" or how is None) and params.get("response_format") is not None:
+        what = "'required'" if choice == "required" else "tools on this model"
+        raise ApiError(
+            400,
+            f"'tool_choice': {what} cannot be combined with 'response_format' (the answer is "
+            "a tool call, or a reply in a JSON of its own); send 'tool_choice': 'none' or no "
+            "'response_format'",
+            param="tool_choice",
+            code="unsupported",
+        )
+    if how is None:
+        g = generic_tools.generic(tools, choice, parallel)
+        rest = {k: v for k, v in params.items() if k not in ("tools", "tool_choice")}
+        text = generic_tools.instructions(tools, g)
+        rest["messages"] = generic_tools.with_instructions(rest["messages"], text)
+        return Plan(rest, names=names, generic=g)
     if isinstance(choice, dict):
         i = names.index(choice["function"]["name"])
         path = f"tools[{i}].function.parameters"
-        return Plan(params, forced=(path, parameters(tools[i])), normalize=stream, names=names)
+        tools = [_compiled(t, False) if j == i else t for j, t in enumerate(tools)]
+        forced = (path, parameters(tools[i]))
+        return Plan({**params, "tools": tools}, forced=forced, normalize=stream, names=names)
     if choice == "required":
-        if params.get("response_format") is not None:
-            raise ApiError(
-                400,
-                "'tool_choice': 'required' cannot be combined with 'response_format' "
-                "(the answer is a tool call)",
-                param="tool_choice",
-                code="unsupported",
-            )
         rest = {k: v for k, v in params.items() if k != "tool_choice"}
-        if how is None:
-            rest.pop("tools")  # the template would ignore them; the grammar carries the call
         return Plan(rest, parse=frozenset(names), schema=call_schema(tools), names=names)
-    if how is None:
-        raise no_tools(chat_format)
     return Plan(params, parse=frozenset(names), names=names)

@@ -21,8 +21,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from residency.errors import ApiError
+from residency.grammar_limits import MAX_SCHEMA_BYTES, unbounded
 from residency.settings import ModelSpec
-from workers import chat_handler, chat_tools, completion, devices, rerank, system_fold, toolcalls
+from workers import (
+    chat_handler,
+    chat_tools,
+    completion,
+    devices,
+    generic_tools,
+    rerank,
+    system_fold,
+    toolcalls,
+)
 from workers.completion import CacheUse, OnUsage, Pieces
 from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling
 
@@ -209,12 +219,37 @@ def _guarded(
                 close()
 
 
+#: A JSON string's character, as llama.cpp's own converter writes it: no raw control character
+#: (JSON wants them escaped; llama-cpp-python's copy admits \x00-\x1F, and a model sampling
+#: one makes the answer fail to parse).
+STRICT_CHAR = (
+    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
+    r"[0-9a-fA-F])"
+)
+#: A pattern's "." inside a JSON string: not a line break (as the converter means it), nor a
+#: quote, backslash or control character, which would end or break the string.
+STRICT_DOT = r'[^"\\\x7F\x00-\x1F]'
+
+
+@functools.cache
+def _strict_strings() -> None:
+    """Every grammar this process builds from a JSON schema — ours (``_grammar``) and those
+    llama-cpp-python's chat handlers build for tools — goes through its converter's rule
+    table: the string rules are set there, once."""
+    from llama_cpp import llama_grammar
+
+    llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(STRICT_CHAR, [])
+    llama_grammar.DOT = STRICT_DOT
+
+
 @functools.cache
 def _batched_llama() -> Any:
     """llama_cpp.Llama whose ``create_completion`` runs on the batched engine. Its chat handlers
     (formatters, tools, response_format grammars) call ``create_completion`` on the model
     object, so chat requests reach the engine through them unchanged."""
     import llama_cpp  # imported here: web and coordinator processes never need it
+
+    _strict_strings()
 
     class BatchedLlama(llama_cpp.Llama):
         engine: Engine | None = None
@@ -442,6 +477,8 @@ class LlamaBackend:
 
 def _grammar_param(plan: chat_tools.Plan) -> str | None:
     """The field of a chat request its grammar comes from (None: it has none)."""
+    if plan.generic is not None:
+        return plan.generic.param
     if plan.forced is not None:
         return plan.forced[0]
     if plan.schema is not None or plan.params.get("tools"):
@@ -675,13 +712,20 @@ class LlamaRuntime:
     ) -> Any:
         if cache is not None and cache.scope == "shared_system":
             cache = CacheUse(cache.owner, cache.scope, self._system_tokens(params))
-        if params.get("messages"):
-            params = {**params, "messages": system_fold.fold(params["messages"], self._system)}
         plan = chat_tools.plan(params, self._tools, self.llm.chat_format, stream)
         params = self._grammars(plan)
+        # After the plan: the generic tool format's instructions are a system message too,
+        # which a handler that drops system messages must be given folded.
+        if params.get("messages"):
+            params = {**params, "messages": system_fold.fold(params["messages"], self._system)}
         create = self.llm.create_chat_completion
         hooks = Hooks(on_step, on_usage, on_progress, cache)
         out = self._call(create, params, stream, "messages", hooks, _grammar_param(plan))
+        if plan.generic is not None:
+            names = plan.generic.names
+            if stream:
+                return toolcalls.stream_with_calls(out, names, generic_tools.Reader)
+            return toolcalls.answer_with_calls(out, names, generic_tools.Reader)
         if plan.parse:
             if stream:
                 return toolcalls.stream_with_calls(out, plan.parse)
@@ -714,6 +758,8 @@ class LlamaRuntime:
         JSON (llama-cpp-python falls back) nor a grammar llama.cpp refuses at sampling time."""
         params = dict(plan.params)
         rf = params.get("response_format")
+        if plan.generic is not None:
+            params["grammar"] = self._generic_grammar(plan.generic)
         if plan.forced is not None:
             self._grammar(plan.forced[1], plan.forced[0])  # checked; the handler builds it
         if plan.schema is not None:
@@ -723,15 +769,43 @@ class LlamaRuntime:
             params["grammar"] = self._grammar(rf.get("schema"), "response_format")
         return params
 
+    def _generic_grammar(self, g: generic_tools.Generic) -> Any:
+        """The generic format's grammar. A forced call's schemas were checked by web, and one
+        it cannot enforce is the client's 400. With ``auto`` the grammar only shapes an answer
+        the model may give: a tool whose parameters cannot be compiled, or tools too large to
+        compile together, have their arguments held to any JSON object instead."""
+        if g.mode != generic_tools.AUTO:
+            return self._grammar(generic_tools.answer_schema(g), g.param)
+        from llama_cpp import llama_grammar
+
+        anything = generic_tools.answer_schema(g, ({"type": "object"},) * len(g.arguments))
+        args = [unbounded(a, loosen=True) for a in g.arguments]
+        # Measured before anything is converted: up to 128 tools of 64 KiB each would
+        # otherwise cost this thread their conversions on every request.
+        if len(json.dumps(generic_tools.answer_schema(g, tuple(args)))) > MAX_SCHEMA_BYTES:
+            return self._grammar(anything, g.param)
+        for i, a in enumerate(args):
+            try:
+                llama_grammar.json_schema_to_gbnf(json.dumps(a))
+            except Exception:  # the converter raises ValueError, AssertionError, KeyError...
+                args[i] = {"type": "object"}
+        try:
+            return self._grammar(generic_tools.answer_schema(g, tuple(args)), g.param)
+        except ApiError:  # a schema the converter took and llama.cpp refuses
+            return self._grammar(anything, g.param)
+
     def _grammar(self, schema: dict[str, Any] | None, param: str) -> Any:
+        """The grammar of ``schema`` (None: any JSON), with its bounds past what a grammar
+        holds dropped (``residency.grammar_limits.unbounded``)."""
         import llama_cpp
         from llama_cpp import llama_grammar
 
+        _strict_strings()
         try:
             gbnf = (
                 llama_grammar.JSON_GBNF
                 if schema is None
-                else llama_grammar.json_schema_to_gbnf(json.dumps(schema))
+                else llama_grammar.json_schema_to_gbnf(json.dumps(unbounded(schema)))
             )
         except Exception as e:  # the converter raises ValueError, AssertionError, KeyError...
             raise ApiError(

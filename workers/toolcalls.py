@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -79,6 +79,18 @@ def _decode(text: str, names: frozenset[str]) -> ToolCall | None:
 
 #: What ``ToolText`` hands out: ("content", text) or ("call", ToolCall).
 Piece = tuple[str, Any]
+
+
+class Reader(Protocol):
+    """Reads an answer's text as it is generated and hands out its content and calls."""
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
+#: Makes a reader for the request's tool names (``ToolText``, or another format's).
+ReaderFor = Callable[[frozenset[str]], Reader]
 
 
 class ToolText:
@@ -170,9 +182,11 @@ def _partial_opener(buf: str) -> int:
     return 0
 
 
-def parse(text: str, names: Iterable[str]) -> tuple[str | None, list[ToolCall]]:
+def parse(
+    text: str, names: Iterable[str], reader_for: ReaderFor = ToolText
+) -> tuple[str | None, list[ToolCall]]:
     """The content (None when only calls, or nothing) and the calls of a whole answer."""
-    reader = ToolText(names)
+    reader = reader_for(frozenset(names))
     pieces = reader.feed(text) + reader.finish()
     calls = [p[1] for p in pieces if p[0] == "call"]
     content = "".join(p[1] for p in pieces if p[0] == "content")
@@ -182,18 +196,22 @@ def parse(text: str, names: Iterable[str]) -> tuple[str | None, list[ToolCall]]:
     return content, calls
 
 
-def answer_with_calls(resp: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
+def answer_with_calls(
+    resp: dict[str, Any], names: Iterable[str], reader_for: ReaderFor = ToolText
+) -> dict[str, Any]:
     """A whole chat completion with the calls in its text moved to ``message.tool_calls``."""
     choice = resp["choices"][0]
     message = choice.get("message") or {}
     text = message.get("content")
     if not isinstance(text, str) or message.get("tool_calls"):
         return resp
-    content, calls = parse(text, names)
+    content, calls = parse(text, names, reader_for)
     if calls:
         message["content"] = content
         message["tool_calls"] = [c.to_openai() for c in calls]
         choice["finish_reason"] = "tool_calls"
+    elif reader_for is not ToolText:
+        message["content"] = content  # the reply the format's text carries (decoded)
     return resp
 
 
@@ -211,10 +229,10 @@ def _tool_delta(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 
 def stream_with_calls(
-    chunks: Iterable[dict[str, Any]], names: Iterable[str]
+    chunks: Iterable[dict[str, Any]], names: Iterable[str], reader_for: ReaderFor = ToolText
 ) -> Iterator[dict[str, Any]]:
     """Chat chunks with the calls in their content turned into ``delta.tool_calls`` chunks."""
-    reader = ToolText(names)
+    reader = reader_for(frozenset(names))
     emitted = 0
 
     def render(base: dict[str, Any], pieces: list[Piece]) -> Iterator[dict[str, Any]]:

@@ -265,13 +265,14 @@ def test_keys_and_errors_in_anthropics_envelope(port: int, client: anthropic.Ant
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="nope", messages=USER)
 
-    # A model that cannot take tools, asked to choose: chat's 400, in Anthropic's envelope.
-    with pytest.raises(anthropic.BadRequestError) as tools:
-        client.messages.create(model="a", max_tokens=4, messages=USER, tools=[WEATHER])
-    assert tools.value.body["error"]["type"] == "invalid_request_error"
-    assert "cannot take tools" in tools.value.body["error"]["message"]
+    # The model process's 400 (a prompt past the model's context), in Anthropic's envelope.
+    long = [{"role": "user", "content": "hello " * 2000}]
+    with pytest.raises(anthropic.BadRequestError) as ctx:
+        client.messages.create(model="a", max_tokens=4, messages=long)
+    assert ctx.value.body["error"]["type"] == "invalid_request_error"
+    assert "context length" in ctx.value.body["error"]["message"]
     # Streamed: refused before the stream starts, with its HTTP status.
-    stream = client.messages.stream(model="a", max_tokens=4, messages=USER, tools=[WEATHER])
+    stream = client.messages.stream(model="a", max_tokens=4, messages=long)
     with pytest.raises(anthropic.BadRequestError), stream as s:
         list(s)
 

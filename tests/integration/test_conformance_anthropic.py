@@ -10,7 +10,7 @@ answer report), also when the stream started with a keep-alive while its model l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,32 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
+from residency.tinymodel import write_tiny_model
 from tests.conftest import Pool, tiny_models
 from tests.fixtures import sse
 from tests.integration.test_anthropic_compat import ADMIN, FORCED, STOPS, USER, WEATHER
-from tests.integration.test_anthropic_compat import port as port
 from tests.integration.test_bounded_work import http_server
+from tests.integration.tools_template import TOOLS_TEMPLATE
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
+
+
+@pytest.fixture
+def port(start_pool: Callable[..., Pool], models_dir: Path) -> Iterator[int]:
+    """As ``test_anthropic_compat``'s (``a`` plain ChatML, ``t`` a template with tools, keys
+    required), with room on ``a`` for the tool format a template without tools gets: its
+    description of the tools is a few hundred tokens on the tiny models' vocabulary."""
+    tools_model = models_dir / "tiny-tools.gguf"
+    if not tools_model.exists():
+        write_tiny_model(tools_model, seed=5, chat_template=TOOLS_TEMPLATE)
+    models = tiny_models(models_dir)
+    models["a"]["n_ctx"] = 2048
+    models["t"] = {"path": str(tools_model), "n_ctx": 2048, "parallel": 1}
+    pool = start_pool(models=models, auth={"required": True})
+    with http_server(pool) as p:
+        yield p
+
+
 HEADERS = {"x-api-key": ADMIN, "anthropic-version": "2023-06-01"}
 
 

@@ -155,13 +155,9 @@ def test_refusals(client: openai.OpenAI) -> None:
         )
     assert (e.value.param, e.value.code) == ("tool_choice.type", "unsupported_tool")
 
-    # A model whose template cannot take tools, asked to choose: refused as chat refuses it.
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.responses.create(
-                model="a", input=QUESTION, tools=[WEATHER], max_output_tokens=4, stream=stream
-            )
-        assert e.value.code == "tools_unsupported"
+    # A model whose template cannot take tools, asked to choose: answered (the generic format).
+    out = client.responses.create(model="a", input=QUESTION, tools=[WEATHER], max_output_tokens=4)
+    assert out.status in ("completed", "incomplete")
 
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input=QUESTION)

@@ -72,7 +72,8 @@ def test_a_model_without_parallel_gets_the_cpu_default(
 def test_tools_response_format_logprobs_stop_and_seed_through_a_batched_model(
     start_pool: Callable[..., Pool], models_dir: Path
 ) -> None:
-    pool = start_pool(models=tiny_models(models_dir, a={"parallel": 4}))
+    # Room for the tool's description (the template takes no tools: the generic format).
+    pool = start_pool(models=tiny_models(models_dir, a={"parallel": 4, "n_ctx": 2048}))
     c = client_for(pool)
     tool = {
         "type": "function",
@@ -90,7 +91,7 @@ def test_tools_response_format_logprobs_stop_and_seed_through_a_batched_model(
         "a",
         tools=[tool],
         tool_choice={"type": "function", "function": {"name": "weather"}},
-        max_tokens=60,
+        max_tokens=120,
         temperature=0,
     )
     assert resp.status_code == 200, resp.get_json()

@@ -171,3 +171,30 @@ def test_a_long_system_message_costs_its_tokens_on_a_gemma_format_model(
     )
     assert resp.status_code == 200, resp.get_json()
     assert resp.get_json()["input_tokens"] > alone + 200
+
+
+def test_the_generic_tool_format_reaches_a_model_that_drops_system_messages(
+    gguf: Callable[[str, str | None], Path],
+) -> None:
+    """A template without tools gets them described in a system message: on a handler that
+    drops system messages (``gemma``) that description is folded like any other."""
+    rt = LlamaRuntime()
+    rt.load(
+        ModelSpec(path=str(gguf("bare", None)), n_ctx=4096, parallel=1, chat_format="gemma"), "cpu"
+    )
+    try:
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+        plain = {"messages": [CONVERSATION[2]]}
+        bare = rt.count_tokens(plain)["input_tokens"]
+        with_tools = rt.count_tokens({**plain, "tools": [tool], "tool_choice": "auto"})
+        # The description names the tool and its schema: far more than the question alone.
+        assert with_tools["input_tokens"] > bare + 100
+    finally:
+        rt.close()

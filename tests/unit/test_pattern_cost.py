@@ -1,11 +1,11 @@
-"""The repeat product of a JSON-schema pattern (web.pattern_cost): nesting multiplies, side by
+"""The repeat product of a JSON-schema pattern (residency.pattern_cost): nesting multiplies, side by
 side parts and alternatives take the largest, loops count once."""
 
 from __future__ import annotations
 
 import pytest
 
-from web.pattern_cost import nesting
+from residency.pattern_cost import nesting
 
 
 @pytest.mark.parametrize(

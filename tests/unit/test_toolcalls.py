@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from residency.errors import ApiError
 from workers import chat_tools, toolcalls
 from workers.toolcalls import ToolText, parse
 
@@ -172,31 +171,70 @@ def test_support_comes_from_the_template_or_a_function_calling_format() -> None:
     assert chat_tools.support("chat_template.default", plain) is None
 
 
-def test_auto_tools_on_a_model_without_support_are_refused_naming_tools() -> None:
-    for choice in (None, "auto"):
-        params: dict[str, Any] = {"messages": [], "tools": TOOLS}
+def test_tools_on_a_model_without_support_take_the_generic_format() -> None:
+    user = [{"role": "user", "content": "hi"}]
+    for choice in (None, "auto", "required"):
+        params: dict[str, Any] = {"messages": user, "tools": TOOLS, "parallel_tool_calls": True}
         if choice:
             params["tool_choice"] = choice
-        with pytest.raises(ApiError) as e:
-            chat_tools.plan(params, None, "chatml", False)
-        assert e.value.status == 400
-        assert e.value.param == "tools"
-        assert "chatml-function-calling" in e.value.message
-
-
-def test_required_and_named_choices_work_without_template_support() -> None:
-    p = chat_tools.plan(
-        {"messages": [], "tools": TOOLS, "tool_choice": "required"}, None, "chatml", False
-    )
-    assert p.parse == frozenset(NAMES)
-    assert p.schema is not None and len(p.schema["anyOf"]) == 2
-    assert "tools" not in p.params and "tool_choice" not in p.params
+        p = chat_tools.plan(params, None, "chatml", False)
+        assert p.generic is not None
+        assert p.generic.names == tuple(NAMES) and p.generic.parallel
+        assert p.generic.mode == ("required" if choice == "required" else "auto")
+        # The tools are in a new first system message; the handler gets neither.
+        assert set(p.params) == {"messages"}
+        first, rest = p.params["messages"][0], p.params["messages"][1:]
+        assert first["role"] == "system" and "get_weather" in first["content"]
+        assert rest == user
     named = {"type": "function", "function": {"name": "add"}}
     p = chat_tools.plan(
-        {"messages": [], "tools": TOOLS, "tool_choice": named}, None, "chatml", True
+        {"messages": user, "tools": TOOLS, "tool_choice": named}, None, "chatml", True
     )
-    assert p.forced == ("tools[1].function.parameters", {"type": "object"})
-    assert p.normalize and not p.parse
+    assert p.generic is not None
+    assert (p.generic.mode, p.generic.names, p.generic.param) == (
+        "named",
+        ("add",),
+        "tools[1].function.parameters",
+    )
+    assert not p.generic.parallel  # not asked for
+
+
+def test_tool_history_is_text_for_a_template_without_tools_and_kept_for_one_with() -> None:
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    p = chat_tools.plan({"messages": history}, None, "chatml", False)
+    assert [m["role"] for m in p.params["messages"]] == ["user", "assistant", "user"]
+    assert all(isinstance(m["content"], str) for m in p.params["messages"])
+    p = chat_tools.plan({"messages": history}, chat_tools.TEMPLATE, "x", False)
+    assert p.params["messages"] == history
+
+
+def test_a_grammar_built_from_a_tool_drops_its_bounds_past_the_cap() -> None:
+    big = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 524288}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": big}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    p = chat_tools.plan(
+        {"messages": [], "tools": tools, "tool_choice": named}, "template", "x", False
+    )
+    assert p.forced == (
+        "tools[0].function.parameters",
+        {"type": "object", "properties": {"s": {"type": "string"}}},
+    )
+    assert p.params["tools"][0]["function"]["parameters"] == p.forced[1]
+    p = chat_tools.plan({"messages": [], "tools": tools}, chat_tools.HANDLER, "functionary", False)
+    assert "maxLength" not in json.dumps(p.params["tools"])
+    # No grammar: the template renders the tools as they came.
+    p = chat_tools.plan({"messages": [], "tools": tools}, chat_tools.TEMPLATE, "x", False)
+    assert p.params["tools"] == tools
 
 
 def test_none_drops_the_tools_and_auto_parses_on_a_template() -> None:
