@@ -83,7 +83,8 @@ def _chat(box: Box, model: str = "a", **kw: Any) -> Any:
 
 def _streamed(box: Box, model: str = "a", **kw: Any) -> tuple[str, list[Any], str | None, Any]:
     """(content, tool call deltas, finish reason, usage) of a streamed chat answer."""
-    content, calls, finish, usage = "", [], None, None
+    content, finish, usage = "", None, None
+    calls: list[Any] = []
     for chunk in _chat(box, model, stream=True, stream_options={"include_usage": True}, **kw):
         if chunk.usage is not None:
             usage = chunk.usage
