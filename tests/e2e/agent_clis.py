@@ -158,7 +158,7 @@ def claude_command(
 @dataclass
 class Exchange:
     """One request through the proxy: what was sent, the status, and when (monotonic): sent,
-    the reply's first body bytes, its end."""
+    the reply's first body bytes, its end, and each body chunk as it was relayed."""
 
     method: str
     path: str
@@ -168,6 +168,7 @@ class Exchange:
     sent: float = 0.0
     first_byte: float = 0.0
     done: float = 0.0
+    chunks: list[tuple[float, bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -222,8 +223,10 @@ def _handler(rec: Recorder) -> type[http.server.BaseHTTPRequestHandler]:
             for chunk in up.raw.stream(8192, decode_content=True):
                 if not chunk:
                     continue
+                now = time.monotonic()
                 if not got:
-                    ex.first_byte = time.monotonic()
+                    ex.first_byte = now
+                ex.chunks.append((now, chunk))
                 got += chunk
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
