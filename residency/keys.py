@@ -356,7 +356,7 @@ def metric_histogram(name: str) -> str:
 def faults() -> str:
     """hash of fault-injection settings (``load_delay_s:<model>``, ``fail_next_load``,
     ``hold:<model>``, ``token_delay_s:<model>``, ``step_delay_s:<model>``, ``hang:<model>``,
-    ``engine_crash:<model>``, ``memory_pressure``).
+    ``engine_crash:<model>``, ``script_text:<model>`` (a JSON list of texts), ``memory_pressure``).
     Written by ``POST /admin/faults`` only when ``[debug] fault_injection`` is on; read by
     model processes."""
     return f"{PREFIX}faults"

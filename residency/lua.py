@@ -187,6 +187,7 @@ class Scripts:
                 "charge",
                 "principal",
                 "take_share",
+                "pop_script",
             )
         }
 
@@ -498,6 +499,12 @@ class Scripts:
                 [admission_id, keys.quota_hold_field(admission_id), *reserved],
             )
         )
+
+    def pop_script(self, field: str) -> str | None:
+        """The first text of the fault script in ``keys.faults()`` field ``field``, taken off
+        it (None: none left)."""
+        raw = self._run("pop_script", [keys.faults()], [field])
+        return None if raw is None else _s(raw)
 
     def charge(
         self, model: str, *, user: str, key: str, usage: tuple[int, int], now: float

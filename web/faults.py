@@ -6,13 +6,16 @@ Field names are the contract with the model processes that read them: ``load_del
 token), ``token_delay_s:<model>`` (seconds added before each generated token),
 ``step_delay_s:<model>`` (seconds added to each engine step: prompt chunks and tokens alike),
 ``hang:<model>`` ("1" while that model's generations block with no progress, deaf to stop,
-cancel and deadline: what the stall watchdog kills) and ``engine_crash:<model>`` ("1": that
-model's engine thread raises at the first step of its next request, which consumes it). A
-false, zero or null value deletes the field, so a test can undo what it set.
+cancel and deadline: what the stall watchdog kills), ``engine_crash:<model>`` ("1": that
+model's engine thread raises at the first step of its next request, which consumes it) and
+``script_text:<model>`` (a JSON list of texts: each generation that model starts takes the
+first one and produces exactly its tokens, until the list is used up). A false, zero, null,
+empty or ``[]`` value deletes the field, so a test can undo what it set.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +32,12 @@ FAULT_KEYS = (
     "step_delay_s",
     "hang",
     "engine_crash",
+    "script_text",
 )
+
+#: Bounds of one model's script: texts in the list, and UTF-8 bytes of all of them.
+MAX_SCRIPT_TEXTS = 64
+MAX_SCRIPT_BYTES = 1 << 20
 
 
 def _name(name: Any, param: str) -> str:
@@ -54,6 +62,22 @@ def _per_model(body: Mapping[str, Any], key: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise bad_request(f"'{key}' must be an object of model name -> value", key)
     return {_name(m, f"{key}.{m}"): x for m, x in v.items()}
+
+
+def _script(v: Any, param: str) -> list[str]:
+    """The texts of one model's ``script_text``: a string (one generation) or a list."""
+    texts = [v] if isinstance(v, str) else v
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise bad_request(f"'{param}' must be a string or a list of strings", param)
+    if len(texts) > MAX_SCRIPT_TEXTS:
+        raise bad_request(f"'{param}' takes at most {MAX_SCRIPT_TEXTS} texts", param)
+    if sum(len(t.encode("utf-8")) for t in texts) > MAX_SCRIPT_BYTES:
+        raise bad_request(f"'{param}' takes at most {MAX_SCRIPT_BYTES} bytes of text", param)
+    for i, t in enumerate(texts):
+        if not t:
+            # An empty generation is not one the model can be made to produce token by token.
+            raise bad_request(f"'{param}[{i}]' must not be empty", f"{param}[{i}]")
+    return texts
 
 
 def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
@@ -100,4 +124,11 @@ def parse_faults(body: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
                 put[f"{key}:{m}"] = "1"
             else:
                 drop.append(f"{key}:{m}")
+    if "script_text" in body:
+        for m, v in _per_model(body, "script_text").items():
+            texts = [] if v in (None, "", False) else _script(v, f"script_text.{m}")
+            if texts:
+                put[f"script_text:{m}"] = json.dumps(texts)
+            else:
+                drop.append(f"script_text:{m}")
     return put, drop

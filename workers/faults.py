@@ -12,21 +12,35 @@ every engine step (``step_delay_s``: a prefill that takes many slow chunks, like
 on a slow machine) and a one-shot ``engine_crash`` that makes the engine thread raise at the
 first step of the next request (a bug in the engine: the process must not live on without it).
 Both are read when a request starts, like the faults above.
+
+``FaultyBackend`` also scripts a generation's text (``script_text:<model>``, a list of texts):
+each chat or completion request the model starts takes the next text off the list and its
+generation produces exactly that text's tokens, then an end-of-generation token. Only the
+sampled token is forced: the prompt is rendered and prefilled, each token is decoded, and the
+tokens go through the engine's output path as any others, so stop strings, tool-call parsing,
+streaming, usage and finish reasons all run for real (a request's ``max_tokens`` still ends it
+with ``length``). A request with a grammar checks each scripted token against it; a token the
+grammar refuses ends the script there, and the rest is the model's own (the grammar wins, as
+it does over any sampler).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import redis
 
 from residency import keys
+from residency.lua import Scripts
 from residency.settings import ModelSpec
 from workers.completion import CacheUse, OnUsage
-from workers.engine import Backend
+from workers.engine import Backend, Sampler, Sampling
 from workers.runtime import OnStep, Runtime
+
+log = logging.getLogger("residency.model")
 
 POLL_S = 0.05
 HOLD_LIMIT_S = 600.0
@@ -48,13 +62,53 @@ class StepFaults:
         self.stop = stop
         self.delay = 0.0
         self.crash = False
+        # The scripted text of the request the calling thread serves: the engine builds a
+        # job's sampler on the thread that submits it, which is the request's own.
+        self._script = threading.local()
 
     def wrap(self, inner: Backend) -> Backend:
         return FaultyBackend(inner, self)
 
+    def script(self, text: str | None) -> None:
+        """The text the calling thread's next generation produces (None: its own)."""
+        self._script.text = text
+
+    def take_script(self) -> str | None:
+        text: str | None = getattr(self._script, "text", None)
+        self._script.text = None
+        return text
+
+
+class Spells(Protocol):
+    """What scripting a text needs of the real backend (``workers.runtime.LlamaBackend``)."""
+
+    def tokenize(self, text: str) -> list[int]: ...
+    def end_token(self) -> int: ...
+
+
+class Scripted:
+    """A request's real sampler, and the tokens it is made to produce (first first)."""
+
+    def __init__(self, inner: Sampler, tokens: list[int]) -> None:
+        self.inner = inner
+        self.tokens = tokens
+        self.given = 0
+
+    def next(self) -> int:
+        self.given += 1
+        return self.tokens.pop(0)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _real(sampler: Sampler) -> Sampler:
+    return sampler.inner if isinstance(sampler, Scripted) else sampler
+
 
 class FaultyBackend:
-    """The engine's real backend, each ``decode`` (one engine step) slowed or made to raise."""
+    """The engine's real backend, each ``decode`` (one engine step) slowed or made to raise,
+    and a scripted request's sampled tokens forced (see the module's docstring)."""
 
     def __init__(self, inner: Backend, faults: StepFaults) -> None:
         self.inner = inner
@@ -73,6 +127,43 @@ class FaultyBackend:
             f.stop.wait(f.delay)
         return self.inner.decode()
 
+    def sampler(self, sampling: Sampling) -> Sampler:
+        real = self.inner.sampler(sampling)
+        text = self.faults.take_script()
+        if text is None:
+            return real
+        spells = cast(Spells, self.inner)
+        return Scripted(real, [*spells.tokenize(text), spells.end_token()])
+
+    def sample(self, sampler: Sampler, idx: int) -> int:
+        if isinstance(sampler, Scripted) and sampler.tokens:
+            token = sampler.next()
+            # Accepted into the real chain, as its own draw would be (penalties see it).
+            self.inner.accept(sampler.inner, token)
+            return token
+        return self.inner.sample(_real(sampler), idx)
+
+    def draw(self, sampler: Sampler, idx: int, grammar: bool) -> int | None:
+        if isinstance(sampler, Scripted) and sampler.tokens:
+            if not grammar:
+                return sampler.tokens[0]  # the engine checks it against the grammar next
+            # The engine applies the grammar only when it refused the scripted token.
+            log.warning(
+                "the request's grammar refused its scripted text after %d tokens; the rest is "
+                "the model's own",
+                sampler.given,
+            )
+            sampler.tokens.clear()
+        return self.inner.draw(_real(sampler), idx, grammar)
+
+    def allows(self, sampler: Sampler, token: int) -> bool:
+        return self.inner.allows(_real(sampler), token)
+
+    def accept(self, sampler: Sampler, token: int) -> None:
+        if isinstance(sampler, Scripted) and sampler.tokens and sampler.tokens[0] == token:
+            sampler.next()
+        self.inner.accept(_real(sampler), token)
+
 
 class FaultyRuntime:
     def __init__(
@@ -88,6 +179,7 @@ class FaultyRuntime:
         self.model = model
         self.stop = stop
         self.steps = steps  # the step faults of inner's engine backend, if it has one
+        self.scripts = Scripts(r)
 
     @property
     def parallel(self) -> int:
@@ -148,6 +240,14 @@ class FaultyRuntime:
         if crash:
             self.steps.crash = True
 
+    def _take_script(self) -> None:
+        """Hand the engine the scripted text of the generation this thread starts, taken off
+        ``script_text:<model>`` (one text per request, in order), or None: set at every
+        request's start, so nothing one request was given is left for the next."""
+        if self.steps is None:
+            return
+        self.steps.script(self.scripts.pop_script(f"script_text:{self.model}"))
+
     def _slowed(self, on_step: OnStep | None) -> OnStep | None:
         """Delay every generated token by ``token_delay_s:<model>`` (a slow model on demand),
         streamed or not."""
@@ -176,6 +276,7 @@ class FaultyRuntime:
         self._hang()
         self._hold(on_step)
         self._read_steps()
+        self._take_script()
         return self.inner.chat(
             params, stream, self._slowed(on_step), on_usage, on_progress=on_progress, cache=cache
         )
@@ -193,6 +294,7 @@ class FaultyRuntime:
         self._hang()
         self._hold(on_step)
         self._read_steps()
+        self._take_script()
         return self.inner.completion(
             params, stream, self._slowed(on_step), on_usage, on_progress=on_progress, cache=cache
         )

@@ -347,6 +347,7 @@ class LlamaBackend:
         self._all_np = np.ctypeslib.as_array(self._all)
         self._one = (td * 1)()
         self._arr = llama_cpp.llama_token_data_array()
+        self._by_piece: dict[bytes, int] | None = None  # piece -> token, built when needed
 
     def sampler(self, sp: Sampling) -> LlamaSampling:
         """llama-cpp-python's own chain, in its order: bias, penalties, then greedy
@@ -456,6 +457,49 @@ class LlamaBackend:
 
     def seq_pos_min(self, seq: int) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokens whose pieces spell exactly ``text``, with the special tokens it names (a
+        scripted generation's text, ``workers.faults``); no BOS: it is a continuation. Reads
+        the vocabulary only, so any thread may call it."""
+        data = text.encode("utf-8")
+        tokens = [int(t) for t in self._llm.tokenize(data, False, True)]
+        spelled = b"".join(self._llm.detokenize([t], special=True) for t in tokens)
+        first = self.piece(tokens[0]) if tokens else b""
+        if spelled != b" " + data or not first.startswith(b" "):
+            return tokens
+        # A SentencePiece vocabulary puts a space before the text (its "▁" word prefix): the
+        # first piece is spelled without it, so the generation is the text and nothing more.
+        return self._spelled(first[1:]) + tokens[1:]
+
+    def _spelled(self, data: bytes) -> list[int]:
+        """``data`` as the tokens whose pieces are its bytes, longest piece first."""
+        if self._by_piece is None:
+            by_piece: dict[bytes, int] = {}
+            for t in range(self.n_vocab):
+                p = self.piece(t)
+                if p:  # control tokens have no piece
+                    by_piece.setdefault(p, t)
+            self._by_piece = by_piece
+        longest = max(map(len, self._by_piece))
+        out: list[int] = []
+        i = 0
+        while i < len(data):
+            for j in range(min(len(data), i + longest), i, -1):
+                found = self._by_piece.get(data[i:j])
+                if found is not None:
+                    out.append(found)
+                    i = j
+                    break
+            else:
+                raise ValueError(f"this vocabulary cannot spell {data[i:]!r}")
+        return out
+
+    def end_token(self) -> int:
+        """A token that ends a generation (``is_eog``): end of sequence, else end of turn."""
+        lib, v = self._lib, self._vocab
+        eos = int(lib.llama_vocab_eos(v))
+        return eos if eos != lib.LLAMA_TOKEN_NULL else int(lib.llama_vocab_eot(v))
 
     def piece(self, token: int) -> bytes:
         size = 64
