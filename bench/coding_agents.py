@@ -13,10 +13,9 @@ Every request goes through a recording proxy in this process, which timestamps t
 chunks as it relays them. Per request it prints the time to the first generated token (the
 first text, tool-call or content delta: queue, prefill and the first decode step, as the client
 sees them), the rest of the reply (decode), and the usage the box reported (input, cached and
-output tokens). The box reports no per-request queue time and no prefill/decode split (no
-timing headers, no timings in ``usage``); its ``residency_time_to_first_token_seconds``
-histogram (web: submit to first reply chunk) is read before and after each agent, and its
-delta is printed as the box's own queue + prefill figure.
+output tokens), and the box's own ``timings`` of it (the model process's queue, prefill and
+decode time, in the final event of each stream). Its ``residency_time_to_first_token_seconds``
+histogram (web: submit to first reply chunk) is read before and after each agent too.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ class Figures:
     input_tokens: int | None
     cached_tokens: int | None
     output_tokens: int | None
+    timings: dict[str, float] | None = None  # the box's own: queue_ms, prompt_ms, predicted_ms
 
 
 def first_token_at(ex: Exchange) -> float | None:
@@ -96,6 +96,22 @@ def usage_of(ex: Exchange) -> tuple[int | None, int | None, int | None]:
     return inp, cached, out
 
 
+def timings_of(ex: Exchange) -> dict[str, float] | None:
+    """The box's ``timings`` of the request: in a Responses stream's final response, a
+    Messages stream's ``message_delta``, or a whole answer."""
+    found = None
+    for line in ex.reply.decode("utf-8", "replace").splitlines():
+        data = line.removeprefix("data: ")
+        if not data.startswith("{"):
+            continue
+        with contextlib.suppress(ValueError):
+            event = json.loads(data)
+            t = (event.get("response") or {}).get("timings") or event.get("timings")
+            if isinstance(t, dict):
+                found = t
+    return found
+
+
 def figures(ex: Exchange) -> Figures:
     first = first_token_at(ex)
     inp, cached, out = usage_of(ex)
@@ -108,6 +124,7 @@ def figures(ex: Exchange) -> Figures:
         inp,
         cached,
         out,
+        timings_of(ex),
     )
 
 
@@ -166,6 +183,15 @@ def one_turn(
             f"(queue + prefill + first step), then {dec} (decode); tokens in {r.input_tokens} "
             f"(cached {r.cached_tokens}), out {r.output_tokens}"
         )
+        if r.timings:
+            t = r.timings
+            box = (t["queue_ms"] + t["prompt_ms"] + t["predicted_ms"]) / 1000
+            lines.append(
+                f"    the box's own timings: queue {t['queue_ms'] / 1000:.2f} s, prefill "
+                f"{t['prompt_ms'] / 1000:.2f} s ({t['prompt_n']} tokens, {t['cache_n']} cached), "
+                f"decode {t['predicted_ms'] / 1000:.2f} s ({t['predicted_n']} tokens): "
+                f"{box:.2f} s, {100 * box / r.total_s:.0f}% of the request"
+            )
     if before is not None and after is not None and after[1] > before[1]:
         lines.append(
             f"  the box's own time to first token (submit to first chunk): "

@@ -531,6 +531,9 @@ def to_message(resp: Mapping[str, Any], model: str) -> dict[str, Any]:
             "input_tokens": int(usage.get("prompt_tokens", 0)),
             "output_tokens": int(usage.get("completion_tokens", 0)),
         },
+        # The model process's queue, prompt and decode time (llama-server's names): not
+        # Anthropic's; the SDKs keep unknown fields aside.
+        **({"timings": resp["timings"]} if isinstance(resp.get("timings"), dict) else {}),
     }
 
 
@@ -550,6 +553,7 @@ class StreamEvents:
         self._finish: str | None = None
         self._stop_sequence: str | None = None
         self._usage: dict[str, int] = {}
+        self._timings: dict[str, Any] | None = None
 
     def _start(self, input_tokens: int) -> list[dict[str, Any]]:
         if self._started:
@@ -593,6 +597,8 @@ class StreamEvents:
 
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
         out = self._start(int(chunk.get("prompt_tokens") or 0))
+        if isinstance(chunk.get("timings"), dict):
+            self._timings = dict(chunk["timings"])
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self._usage = {
@@ -658,6 +664,7 @@ class StreamEvents:
                     "stop_sequence": self._stop_sequence if reason == "stop_sequence" else None,
                 },
                 "usage": usage,
+                **({"timings": self._timings} if self._timings is not None else {}),
             }
         )
         out.append({"type": "message_stop"})

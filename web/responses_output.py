@@ -140,7 +140,16 @@ def from_chat(chat: Mapping[str, Any], echo: Mapping[str, Any], meta: Meta) -> d
         )
     status = _status(choice.get("finish_reason"))
     _mark_last(output, status)
-    return response_object(meta, echo, status=status, output=output, usage=usage(chat.get("usage")))
+    out = response_object(meta, echo, status=status, output=output, usage=usage(chat.get("usage")))
+    return with_timings(out, chat.get("timings"))
+
+
+def with_timings(response: dict[str, Any], timings: Any) -> dict[str, Any]:
+    """The model process's ``timings`` of the request (queue, prompt and decode time, as
+    llama-server names them), beside the usage: not OpenAI's, and ignored by its clients."""
+    if isinstance(timings, dict):
+        response["timings"] = timings
+    return response
 
 
 @dataclass
@@ -166,6 +175,7 @@ class Events:
         self.open: _Item | None = None
         self.finish_reason: Any = None
         self.usage: dict[str, Any] | None = None
+        self.timings: dict[str, Any] | None = None
         self.ended = False
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -174,7 +184,7 @@ class Events:
         return ev
 
     def _response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_object(
+        out = response_object(
             self.meta,
             self.echo,
             status=status,
@@ -182,6 +192,7 @@ class Events:
             usage=self.usage if status != "in_progress" else None,
             error=error,
         )
+        return with_timings(out, self.timings)
 
     def start(self) -> list[dict[str, Any]]:
         r = self._response("in_progress")
@@ -278,6 +289,8 @@ class Events:
         """The events for one chat chunk."""
         if isinstance(chunk.get("usage"), dict):
             self.usage = usage(chunk["usage"])
+        if isinstance(chunk.get("timings"), dict):
+            self.timings = dict(chunk["timings"])
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}

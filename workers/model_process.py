@@ -35,6 +35,7 @@ from workers.faults import FaultyRuntime, StepFaults
 from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.runtime import LlamaRuntime, Runtime
 from workers.slot_shares import SlotShares
+from workers.timings import Timings
 
 log = logging.getLogger("residency.model")
 T = TypeVar("T")
@@ -550,7 +551,8 @@ class ModelProcess:
         if req.kind is Kind.TOKENIZE:
             return ReplyType.DONE, self.runtime.count_tokens(dict(req.params))
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
-        step = gate.step if gate is not None else None
+        timed = Timings(req.submitted)
+        step = timed.on_step(gate.step if gate is not None else None)
         # Ours, not llama.cpp's: the usage chunk is written here, from what the engine counted.
         params = dict(req.params)
         opts = params.pop("stream_options", None) or {}
@@ -566,6 +568,7 @@ class ModelProcess:
         if not req.stream:
             assert isinstance(result, dict)
             result["model"] = self.model
+            result["timings"] = timed.report(usage)
             if req.kind is Kind.CHAT:
                 chat_shape.answer(result)
             if report:
@@ -577,7 +580,7 @@ class ModelProcess:
         if report:
             result = _reported(result)
         if opts.get("include_usage"):
-            result = _with_usage(result, usage, self.model)
+            result = _with_usage(result, usage, self.model, timed)
         return self.stream(req, result, gate, tail)
 
     def stream(
@@ -685,10 +688,11 @@ def _adder(total: list[int]) -> OnUsage:
 
 
 def _with_usage(
-    chunks: Iterable[dict[str, Any]], usage: list[int], model: str
+    chunks: Iterable[dict[str, Any]], usage: list[int], model: str, timed: Timings | None = None
 ) -> Iterator[dict[str, Any]]:
     """``stream_options.include_usage``: after the last chunk, one more with no choices and
-    the request's usage (OpenAI's shape); every chat chunk before it carries ``usage: null``
+    the request's usage (OpenAI's shape) and ``timings``; every chat chunk before it carries
+    ``usage: null``
     (a completion chunk does not: OpenAI's schema has no null there). The engine has counted
     the tokens by the time the chunks end."""
     last: dict[str, Any] | None = None
@@ -716,6 +720,7 @@ def _with_usage(
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         },
+        **({"timings": timed.report(usage)} if timed is not None else {}),
     }
 
 
