@@ -38,8 +38,10 @@ def test_a_preload_model_is_warm_without_a_request_gives_way_and_comes_back(
         pool={"max_loaded_models": 1},
         models=tiny_models(models_dir, b={"preload": True}, a={"ttl_s": 0.5}),
     )
-    pool.wait_for(lambda: pool.state("b") == "ready", what="b preloaded")
-    assert loads(pool, "b") == 1 and pool.resident() == {"b"}
+    # The load's counter is written just after the state turns ready: wait for both.
+    pool.wait_for(lambda: loads(pool, "b") == 1, what="b preloaded")
+    pool.wait_for(lambda: pool.state("b") == "ready", what="b ready")
+    assert pool.resident() == {"b"}
     # A request for a needs the only slot: the idle preload model is its LRU victim.
     c = client_for(pool)
     assert chat(c, "a").status_code == 200
