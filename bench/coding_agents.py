@@ -197,13 +197,15 @@ def one_turn(
             f"  the box's own time to first token (submit to first chunk): "
             f"{after[0] - before[0]:.2f} s over {after[1] - before[1]:.0f} request(s)"
         )
-    if done.returncode != 0:
-        refused = [
-            f"  refused: {ex.path} {ex.status} {ex.reply[:300]!r}"
-            for ex in rec.exchanges
-            if ex.status >= 400
-        ]
-        lines += refused or [f"  stderr: {done.stderr[-600:]!r}"]
+    # Refusals are printed whatever the exit: an agent may retry another way and finish.
+    refused = [
+        f"  refused: {ex.path} {ex.status} {ex.reply[:300]!r}"
+        for ex in rec.exchanges
+        if ex.status >= 400
+    ]
+    lines += refused
+    if done.returncode != 0 and not refused:
+        lines.append(f"  stderr: {done.stderr[-600:]!r}")
     return lines
 
 

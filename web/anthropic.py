@@ -329,13 +329,17 @@ def _tool_result(b: Mapping[str, Any], bp: str) -> dict[str, Any]:
     texts: list[str] = []
     if content is not None:
         for k, part in enumerate(_blocks(content, f"{bp}.content")):
-            _no_media(part.get("type"), f"{bp}.content[{k}]")
+            kp = f"{bp}.content[{k}]"
+            _no_media(part.get("type"), kp)
+            if part.get("type") == "tool_reference":
+                texts.append(_tool_reference(part, kp))
+                continue
             if part.get("type") != "text":
                 raise bad_request(
-                    f"'{bp}.content[{k}].type' must be 'text', got {part.get('type')!r}",
-                    f"{bp}.content[{k}].type",
+                    f"'{kp}.type' must be 'text' or 'tool_reference', got {part.get('type')!r}",
+                    f"{kp}.type",
                 )
-            texts.append(_text(part, f"{bp}.content[{k}]"))
+            texts.append(_text(part, kp))
     is_error = b.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise wrong_type(f"{bp}.is_error", "a boolean", is_error)
@@ -344,6 +348,17 @@ def _tool_result(b: Mapping[str, Any], bp: str) -> dict[str, Any]:
     if is_error:
         text = f"Error: {text}" if text else "Error"
     return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _tool_reference(part: Mapping[str, Any], param: str) -> str:
+    """A ``tool_reference`` block (what a tool-search tool answers, Claude Code's ToolSearch
+    among them): it names a tool the model may now call. Every tool the request sends is
+    offered to the model already (``defer_loading`` changes nothing here), so the model reads
+    the reference as text."""
+    name = part.get("tool_name")
+    if not isinstance(name, str) or not name:
+        raise wrong_type(f"{param}.tool_name", "a non-empty string", name)
+    return f"Tool available: {name}"
 
 
 def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:

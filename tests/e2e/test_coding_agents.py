@@ -1,7 +1,8 @@
 """End to end: the coding agents users point at the box — OpenAI's Codex CLI (``codex exec``,
 Responses API) and Anthropic's Claude Code (``claude -p``, Messages API) — installed from npm,
 configured with nothing but a base URL and a user's API key, against ``residency up`` with a
-tiny model whose template takes tools.
+tiny model whose template takes tools, and with one whose template takes none (the tools then
+reach it in the generic format).
 
 The tiny model's own text is random, so what it answers is scripted with the ``script_text``
 fault: a plain answer (a one-turn exchange), or a call to the agent's shell tool and then a
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "t"
 RUN_TIMEOUT_S = 900
 ANSWER = "All done: the command printed hi."
+REPLY = json.dumps({"response": ANSWER})  # the same answer in the generic tool format
 # The shell command each agent is made to run: its output, and the file it leaves, show that
 # the agent ran it.
 COMMAND = "echo hi > hi.txt; cat hi.txt"
@@ -73,6 +75,11 @@ def box(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[
 
 @pytest.fixture(scope="module")
 def key(box: Up) -> str:
+    return user_key(box)
+
+
+def user_key(box: Up) -> str:
+    """A new user's API key on ``box``: what an agent is given."""
     admin = {"Authorization": f"Bearer {box.admin_key}"}
     resp = requests.post(
         box.url + "/admin/users", json={"name": "coder"}, headers=admin, timeout=30
@@ -216,3 +223,63 @@ def test_claude_code_runs_a_bash_tool_call_round_trip(
     assert "hi" in json.dumps(results[0]["content"])
     assert done.stdout.strip() == ANSWER
     assert script_left(box) is None
+
+
+# --- a model whose template takes no tools -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_box(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Up]:
+    """A box whose model's template takes no tools: the agents' tools reach it in the generic
+    format (described in the prompt, the answer a JSON call or reply)."""
+    tmp = tmp_path_factory.mktemp("agents-plain")
+    model = write_tiny_model(tmp / "plain.gguf", seed=5)
+    config = (
+        "[debug]\nfault_injection = true\n"
+        f'[models.{MODEL}]\npath = "{model}"\n'
+        "n_ctx = 65536\nparallel = 1\nmax_tokens = 256\n"
+    )
+    b = Up(tmp, models_dir, config=config)
+    yield b
+    if b.proc.poll() is None:
+        b.proc.send_signal(signal.SIGTERM)
+        b.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def plain_key(plain_box: Up) -> str:
+    return user_key(plain_box)
+
+
+def generic_call(name: str, arguments: dict[str, Any], parallel: bool) -> str:
+    """A tool call as the generic format answers one (a list when the request allows
+    parallel calls, as Codex's do)."""
+    call = {"name": name, "arguments": arguments}
+    return json.dumps({"tool_calls": [call]} if parallel else {"tool_call": call})
+
+
+def test_codex_runs_a_tool_call_on_a_model_without_tools_in_its_template(
+    agents: Agents, plain_box: Up, plain_key: str, tmp_path: Path
+) -> None:
+    script(plain_box, generic_call("exec_command", {"cmd": COMMAND}, parallel=True), REPLY)
+    done, rec, work, last = run_codex(agents, plain_box, plain_key, "Run it.", tmp_path)
+    assert done.returncode == 0, (done.stderr[-3000:], refusals(rec))
+    assert (work / "hi.txt").read_text() == "hi\n"
+    first, second = posts(rec, "/v1/responses")
+    assert first.status == second.status == 200
+    (out,) = [i for i in second.body["input"] if i.get("type") == "function_call_output"]
+    assert "hi" in str(out["output"])
+    assert last is not None and last.strip() == ANSWER
+
+
+def test_claude_code_runs_a_tool_call_on_a_model_without_tools_in_its_template(
+    agents: Agents, plain_box: Up, plain_key: str, tmp_path: Path
+) -> None:
+    arguments = {"command": COMMAND, "description": "Say hi"}
+    script(plain_box, generic_call("Bash", arguments, parallel=False), REPLY)
+    done, rec, work = run_claude(agents, plain_box, plain_key, "Run it.", tmp_path)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:], refusals(rec))
+    assert (work / "hi.txt").read_text() == "hi\n"
+    turns = posts(rec, "/v1/messages")
+    assert len(turns) == 2 and all(t.status == 200 for t in turns), refusals(rec)
+    assert done.stdout.strip() == ANSWER

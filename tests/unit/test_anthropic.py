@@ -586,3 +586,38 @@ def test_text_out_names_the_stop_string_it_ended_at() -> None:
     assert not out.add(b"aa") and out.matched is None
     assert out.add(b"zbz")  # "b" comes first
     assert (out.text, out.matched) == ("aaz", "b")
+
+
+def test_a_tool_search_result_names_the_tools_it_found() -> None:
+    # Claude Code's ToolSearch answers with tool_reference blocks (its deferred tools).
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [
+            {"type": "text", "text": "Found 2 tools"},
+            {"type": "tool_reference", "tool_name": "WebFetch"},
+            {"type": "tool_reference", "tool_name": "NotebookEdit"},
+        ],
+    }
+    chat = anthropic.to_chat(
+        body(
+            messages=[
+                {"role": "user", "content": "find a tool"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {}}
+                    ],
+                },
+                {"role": "user", "content": [result]},
+            ]
+        )
+    )
+    assert chat["messages"][-1] == {
+        "role": "tool",
+        "tool_call_id": "toolu_1",
+        "content": "Found 2 tools\nTool available: WebFetch\nTool available: NotebookEdit",
+    }
+    bad = dict(result, content=[{"type": "tool_reference"}])
+    msgs = [{"role": "user", "content": [bad]}]
+    assert refused(body(messages=msgs)).param == "messages[0].content[0].content[0].tool_name"
