@@ -55,10 +55,11 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> Agents:
     return agent_clis.install()
 
 
-@pytest.fixture(scope="module")
-def box(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("agents")
-    model = write_tiny_model(tmp / "tools.gguf", seed=5, chat_template=TOOLS_TEMPLATE)
+def agents_box(tmp: Path, models_dir: Path, template: str | None) -> Iterator[Up]:
+    """``residency up`` with one tiny model (chat ``template``; None: write_tiny_model's
+    plain ChatML, which takes no tools), scripted by the ``script_text`` fault."""
+    kw = {} if template is None else {"chat_template": template}
+    model = write_tiny_model(tmp / "model.gguf", seed=5, **kw)
     config = (
         "[debug]\nfault_injection = true\n"
         f'[models.{MODEL}]\npath = "{model}"\n'
@@ -71,6 +72,11 @@ def box(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[
     if b.proc.poll() is None:
         b.proc.send_signal(signal.SIGTERM)
         b.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Up]:
+    yield from agents_box(tmp_path_factory.mktemp("agents"), models_dir, TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -232,18 +238,7 @@ def test_claude_code_runs_a_bash_tool_call_round_trip(
 def plain_box(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Up]:
     """A box whose model's template takes no tools: the agents' tools reach it in the generic
     format (described in the prompt, the answer a JSON call or reply)."""
-    tmp = tmp_path_factory.mktemp("agents-plain")
-    model = write_tiny_model(tmp / "plain.gguf", seed=5)
-    config = (
-        "[debug]\nfault_injection = true\n"
-        f'[models.{MODEL}]\npath = "{model}"\n'
-        "n_ctx = 65536\nparallel = 1\nmax_tokens = 256\n"
-    )
-    b = Up(tmp, models_dir, config=config)
-    yield b
-    if b.proc.poll() is None:
-        b.proc.send_signal(signal.SIGTERM)
-        b.proc.wait(60)
+    yield from agents_box(tmp_path_factory.mktemp("agents-plain"), models_dir, None)
 
 
 @pytest.fixture(scope="module")
