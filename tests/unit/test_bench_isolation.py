@@ -103,6 +103,17 @@ def test_verdicts_name_each_target_met_or_missed() -> None:
     assert iso.met(math.nan, 0.7, True) == "MISSED (not measured)"
 
 
+def test_a_cases_overshoot_is_one_line_its_worst_trial() -> None:
+    phases = []
+    for trial, charged in ((1, 110), (2, 160), (3, 105)):
+        phases += [phase("alone", trial, [0.1], 100, 1.0), phase("quota", trial, [0.1], 90, 1.0)]
+        phases[-1].overshoot = iso.Overshoot(100, charged, 6, 60, 16)
+    lines = [ln for ln in iso.verdicts(iso.case_results(phases)) if "overshoot" in ln]
+    assert len(lines) == 1
+    assert "overshoot 60 tokens at worst" in lines[0] and "worst of 3 trial(s)" in lines[0]
+    assert "MISSED" in lines[0]  # one trial past one request is a miss
+
+
 def test_the_report_tables_have_a_row_per_phase_and_the_other_users_outcomes() -> None:
     alone = phase("alone", 1, [0.1, 0.1], 100, 1.0)
     grammar = phase("grammar", 1, [0.2, None], 40, 1.0)
