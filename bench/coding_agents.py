@@ -27,8 +27,10 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
 from overhead import ROOT, cleanup, command_line, free_port, machine_facts, up_box
@@ -71,28 +73,32 @@ def first_token_at(ex: Exchange) -> float | None:
     return None
 
 
+def events_of(ex: Exchange) -> Iterator[dict[str, Any]]:
+    """The JSON objects of the reply: each ``data:`` line of a stream, or a whole answer."""
+    for line in ex.reply.decode("utf-8", "replace").splitlines():
+        data = line.removeprefix("data: ")
+        if data.startswith("{"):
+            with contextlib.suppress(ValueError):
+                yield json.loads(data)
+
+
 def usage_of(ex: Exchange) -> tuple[int | None, int | None, int | None]:
     """(input, cached, output) tokens from the reply: a Responses stream's completed event, a
     Messages stream's start and delta events, or a whole JSON answer."""
     inp = cached = out = None
-    for line in ex.reply.decode("utf-8", "replace").splitlines():
-        data = line.removeprefix("data: ")
-        if not data.startswith("{"):
-            continue
-        with contextlib.suppress(ValueError):
-            event = json.loads(data)
-            usage = (
-                (event.get("response") or {}).get("usage")
-                or (event.get("message") or {}).get("usage")
-                or event.get("usage")
-            )
-            if isinstance(usage, dict):
-                inp = max(inp or 0, int(usage.get("input_tokens") or 0)) or inp
-                out = max(out or 0, int(usage.get("output_tokens") or 0)) or out
-                details = usage.get("input_tokens_details") or {}
-                c = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
-                if c is not None:
-                    cached = int(c)
+    for event in events_of(ex):
+        usage = (
+            (event.get("response") or {}).get("usage")
+            or (event.get("message") or {}).get("usage")
+            or event.get("usage")
+        )
+        if isinstance(usage, dict):
+            inp = max(inp or 0, int(usage.get("input_tokens") or 0)) or inp
+            out = max(out or 0, int(usage.get("output_tokens") or 0)) or out
+            details = usage.get("input_tokens_details") or {}
+            c = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
+            if c is not None:
+                cached = int(c)
     return inp, cached, out
 
 
@@ -100,15 +106,10 @@ def timings_of(ex: Exchange) -> dict[str, float] | None:
     """The box's ``timings`` of the request: in a Responses stream's final response, a
     Messages stream's ``message_delta``, or a whole answer."""
     found = None
-    for line in ex.reply.decode("utf-8", "replace").splitlines():
-        data = line.removeprefix("data: ")
-        if not data.startswith("{"):
-            continue
-        with contextlib.suppress(ValueError):
-            event = json.loads(data)
-            t = (event.get("response") or {}).get("timings") or event.get("timings")
-            if isinstance(t, dict):
-                found = t
+    for event in events_of(ex):
+        t = (event.get("response") or {}).get("timings") or event.get("timings")
+        if isinstance(t, dict):
+            found = t
     return found
 
 

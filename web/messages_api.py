@@ -25,20 +25,13 @@ from residency.errors import ApiError
 from residency.messages import REPORT_PARAM, Kind
 from web import anthropic, bus, pipeline, stream, validation
 from web.body import read_json, too_large
+from web.responses import error_response  # Anthropic's envelope on these paths
 
 log = logging.getLogger(__name__)
 
 bp = Blueprint("anthropic", __name__, url_prefix="/v1")
 
 PATH = "/chat/completions"  # where a remote model gets the translated request
-
-
-def error_response(e: ApiError) -> Response:
-    resp = jsonify(anthropic.error_body(e))
-    resp.status_code = e.status
-    if e.retry_after is not None:
-        resp.headers["Retry-After"] = str(e.retry_after)
-    return resp
 
 
 @bp.errorhandler(ApiError)
@@ -124,7 +117,6 @@ class _Events:
 
     def __init__(self, model: str) -> None:
         self._events = anthropic.StreamEvents(model)
-        self._done = False
 
     def start(self) -> str:
         return ""
@@ -138,13 +130,9 @@ class _Events:
         return "".join(map(anthropic.sse, self._events.ping()))
 
     def end(self) -> str:
-        if self._done:
-            return ""
-        self._done = True
         return "".join(map(anthropic.sse, self._events.end()))
 
     def fail(self, error: ApiError) -> str:
-        self._done = True
         return anthropic.sse(anthropic.error_body(error))
 
 

@@ -55,7 +55,6 @@ class ChunkStream:
     def __init__(self, model: str, trace: dict[str, Any] | None) -> None:
         self._model = model
         self._trace = trace
-        self._done = False
 
     def start(self) -> str:
         return ""
@@ -70,13 +69,10 @@ class ChunkStream:
         return stream.KEEPALIVE
 
     def end(self) -> str:
-        if self._done:
-            return ""
-        self._done = True
         return _DONE
 
     def fail(self, error: ApiError) -> str:
-        return _sse(error.envelope()) + self.end()
+        return _sse(error.envelope()) + _DONE
 
 
 def _route_trace_wanted(body: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ end and for an error.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from itertools import chain
 from typing import Any, Protocol
 
 from flask import Response
@@ -28,9 +29,9 @@ KEEPALIVE = ": keep-alive\n\n"
 
 
 class Dialect(Protocol):
-    """How one API writes a stream. ``end`` is called once the generation ended (its last
-    batch, or a remote's stream that ended without one) and ``fail`` for an error after the
-    stream started; a dialect sends its end once, whichever comes (later calls give "")."""
+    """How one API writes a stream. ``end`` is called once, when the generation ended (its
+    last batch, or a remote's stream that ended without one); ``fail`` instead of it, for an
+    error after the stream started."""
 
     def start(self) -> str: ...
 
@@ -44,10 +45,10 @@ class Dialect(Protocol):
 
 
 def render(batch: bus.Batch, dialect: Dialect) -> str:
-    out = [dialect.keepalive() if c is bus.KEEPALIVE else dialect.chunk(c) for c in batch.chunks]
-    if batch.last:
-        out.append(dialect.end())
-    return "".join(out)
+    """A batch's chunks (not its end: ``response`` ends the stream once)."""
+    return "".join(
+        dialect.keepalive() if c is bus.KEEPALIVE else dialect.chunk(c) for c in batch.chunks
+    )
 
 
 def response(
@@ -60,18 +61,22 @@ def response(
     first = next(batches, None)
 
     def events() -> Iterator[str]:
-        head = dialect.start()
+        out = dialect.start()  # goes out with the first batch
+        ended = False
         try:
-            if first is not None:
-                yield head + render(first, dialect)
-                head = ""
-                for b in batches:
-                    yield render(b, dialect)
-            tail = dialect.end()
+            for b in [] if first is None else chain([first], batches):
+                out += render(b, dialect)
+                if b.last:
+                    out += dialect.end()
+                    ended = True
+                yield out
+                out = ""
+            if not ended:
+                out += dialect.end()
         except ApiError as e:
-            tail = dialect.fail(e)
-        if head + tail:
-            yield head + tail
+            out += dialect.fail(e)
+        if out:
+            yield out
 
     body = abandon_on_exit(events(), batches, on_abandon)
     return Response(body, mimetype="text/event-stream", headers={**SSE_HEADERS, **headers})

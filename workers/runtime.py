@@ -231,6 +231,22 @@ STRICT_CHAR = (
 STRICT_DOT = r'[^"\\\x7F\x00-\x1F]'
 
 
+@functools.lru_cache(maxsize=256)
+def _converts(schema: str) -> bool:
+    """Whether llama-cpp-python's converter takes the JSON schema ``schema``. Remembered: an
+    agent sends the same tools on every request, which would otherwise cost the serving
+    thread one conversion per tool per request before the union's own. Bounded: at most 256
+    schemas of at most 64 KiB each; it holds a yes or no per schema, nothing of any answer."""
+    from llama_cpp import llama_grammar
+
+    _strict_strings()
+    try:
+        llama_grammar.json_schema_to_gbnf(schema)
+    except Exception:  # the converter raises ValueError, AssertionError, KeyError...
+        return False
+    return True
+
+
 @functools.cache
 def _strict_strings() -> None:
     """Every grammar this process builds from a JSON schema — ours (``_grammar``) and those
@@ -820,19 +836,13 @@ class LlamaRuntime:
         compile together, have their arguments held to any JSON object instead."""
         if g.mode != generic_tools.AUTO:
             return self._grammar(generic_tools.answer_schema(g), g.param)
-        from llama_cpp import llama_grammar
-
         anything = generic_tools.answer_schema(g, ({"type": "object"},) * len(g.arguments))
         args = [unbounded(a, loosen=True) for a in g.arguments]
         # Measured before anything is converted: up to 128 tools of 64 KiB each would
         # otherwise cost this thread their conversions on every request.
         if len(json.dumps(generic_tools.answer_schema(g, tuple(args)))) > MAX_SCHEMA_BYTES:
             return self._grammar(anything, g.param)
-        for i, a in enumerate(args):
-            try:
-                llama_grammar.json_schema_to_gbnf(json.dumps(a))
-            except Exception:  # the converter raises ValueError, AssertionError, KeyError...
-                args[i] = {"type": "object"}
+        args = [a if _converts(json.dumps(a)) else {"type": "object"} for a in args]
         try:
             return self._grammar(generic_tools.answer_schema(g, tuple(args)), g.param)
         except ApiError:  # a schema the converter took and llama.cpp refuses
