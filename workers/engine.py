@@ -36,10 +36,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
+from workers.decode_threads import Chooser
 from workers.slots import Asker, Cached, SlotState, check_transition, choose
 
 log = logging.getLogger("residency.model")
@@ -95,6 +96,12 @@ class Backend(Protocol):
     def seq_rm(self, seq: int, p0: int) -> bool: ...  # drop positions p0.. (-1: all)
     def seq_pos_min(self, seq: int) -> int: ...
     def close(self) -> None: ...
+
+
+class Threaded(Protocol):
+    """A backend whose decode thread count can change between steps (``workers.decode_threads``)."""
+
+    def set_threads(self, threads: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,8 @@ class EngineDied(EngineClosed):
 class Engine:
     """Runs ``backend``'s context of ``n_slots`` sequences of ``n_ctx_slot`` tokens each;
     ``n_batch`` bounds the tokens of one step; ``grammar_budget_s`` the grammar work of one
-    request (0: unbounded)."""
+    request (0: unbounded); ``threads``, when given, picks each step's decode thread count
+    (the backend is then ``Threaded``), timed with ``clock``."""
 
     def __init__(
         self,
@@ -222,8 +230,13 @@ class Engine:
         n_ctx_slot: int,
         n_batch: int,
         grammar_budget_s: float = 0.0,
+        threads: Chooser | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._b = backend
+        self.threads = threads
+        self._clock = clock
+        self._threads_now = 0  # the count the backend was last set to (0: never set here)
         self.grammar_budget_s = grammar_budget_s
         self.n_vocab = backend.n_vocab
         self.n_ctx_slot = n_ctx_slot
@@ -376,7 +389,7 @@ class Engine:
             in_batch.append(s)
             if not s.pending:
                 sample.append((s, n - 1))
-        rc = self._b.decode()
+        rc = self._decode(n)
         self.steps += 1
         if rc != 0:
             err = RuntimeError(f"llama_decode failed ({rc})")
@@ -389,6 +402,19 @@ class Engine:
                 s.job.on_progress()
         for s, idx in sample:
             self._sampled(s, idx)
+
+    def _decode(self, n_tokens: int) -> int:
+        chooser = self.threads
+        if chooser is None:
+            return self._b.decode()
+        threads = chooser.choose(n_tokens)
+        if threads != self._threads_now:
+            cast(Threaded, self._b).set_threads(threads)
+            self._threads_now = threads
+        t0 = self._clock()
+        rc = self._b.decode()
+        chooser.observe(n_tokens, threads, self._clock() - t0)
+        return rc
 
     def _sampled(self, s: Slot, idx: int) -> None:
         job = s.job

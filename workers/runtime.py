@@ -34,6 +34,7 @@ from workers import (
     toolcalls,
 )
 from workers.completion import CacheUse, OnUsage, Pieces
+from workers.decode_threads import Chooser
 from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling
 
 log = logging.getLogger(__name__)
@@ -413,6 +414,10 @@ class LlamaBackend:
         b.logits[n] = logits
         self._n = n + 1
 
+    def set_threads(self, threads: int) -> None:
+        # Both counts: llama.cpp uses n_threads for a one-token batch, n_threads_batch else.
+        self._lib.llama_set_n_threads(self._ctx.ctx, threads, threads)
+
     def decode(self) -> int:
         self._batch.batch.n_tokens, self._n = self._n, 0
         return int(self._lib.llama_decode(self._ctx.ctx, self._batch.batch))
@@ -640,8 +645,16 @@ class LlamaRuntime:
             n_batch = max(spec.n_batch, self.parallel)
             backend = LlamaBackend(self._llm, n_batch)
             engine_backend: Backend = self._wrap(backend) if self._wrap else backend
+            # Unset thread counts: each step's is measured, all of them or one fewer
+            # (``workers.decode_threads``); a count the config sets is used as it is.
+            adaptive = spec.n_threads is None and spec.n_threads_batch is None
             self._engine = Engine(
-                engine_backend, self.parallel, spec.n_ctx, n_batch, self._grammar_budget_s
+                engine_backend,
+                self.parallel,
+                spec.n_ctx,
+                n_batch,
+                self._grammar_budget_s,
+                threads=Chooser(devices.default_threads()) if adaptive else None,
             )
             self._llm.engine = self._engine
             self._llm.pieces = Pieces(backend.piece, backend.fim())

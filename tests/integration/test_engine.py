@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 from residency.settings import ModelSpec
+from workers.decode_threads import candidates
+from workers.devices import default_threads
 from workers.engine import Backend, End, Job, Sampling, Token
 from workers.runtime import LlamaRuntime
 from workers.slots import SlotState
@@ -179,6 +181,43 @@ def test_outputs_at_temperature_0_are_the_same_batched_and_one_at_a_time(tiny: P
     ]
     assert all(o["usage"]["completion_tokens"] == 24 for o in alone)
     assert batched_steps < 4 * 24  # they did share steps
+
+
+def test_the_decode_thread_count_is_measured_unless_configured_and_never_changes_tokens(
+    tiny: Path,
+) -> None:
+    """Unset ``n_threads``: each step's count is chosen between all threads and one fewer
+    (both measured on real decodes); set: it is used as it is. The tokens at temperature 0
+    are the same with either count."""
+    prompts = [f"count the threads {i}" for i in range(2)]
+    params = {"max_tokens": 48, "temperature": 0, "seed": 3}
+    texts: dict[str, list[str]] = {}
+    for label, spec_threads in (("chosen", None), ("one", 1)):
+        rt = LlamaRuntime()
+        rt.load(ModelSpec(path=str(tiny), n_ctx=512, parallel=2, n_threads=spec_threads), "cpu")
+        try:
+            out: dict[int, Any] = {}
+
+            def go(i: int, rt: LlamaRuntime = rt, out: dict[int, Any] = out) -> None:
+                out[i] = rt.completion({"prompt": prompts[i], **params}, False)
+
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT_S)
+            texts[label] = [out[i]["choices"][0]["text"] for i in range(2)]
+            chooser = rt.engine.threads
+            if spec_threads is None:
+                assert chooser is not None
+                assert chooser.options == candidates(default_threads())
+                if len(chooser.options) > 1:
+                    assert chooser.preferred(2) in chooser.options  # both were measured
+            else:
+                assert chooser is None
+        finally:
+            rt.close()
+    assert texts["chosen"] == texts["one"]
 
 
 SCHEMA = {

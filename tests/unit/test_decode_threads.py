@@ -1,0 +1,122 @@
+"""Each engine step's decode thread count (workers.decode_threads), and the engine using it:
+the costs are given, never timed, so every assertion is a count or an order."""
+
+from __future__ import annotations
+
+from tests.unit.test_engine_grammar import EOG, FakeBackend, drain
+from workers import decode_threads
+from workers.decode_threads import Chooser, candidates
+from workers.engine import End, Engine, Job, Sampling
+
+
+def run(chooser: Chooser, cost: dict[int, float], steps: int, n_tokens: int = 8) -> list[int]:
+    """``steps`` steps of ``n_tokens`` whose cost per token is ``cost[threads]``; the counts
+    chosen, in order."""
+    used = []
+    for _ in range(steps):
+        t = chooser.choose(n_tokens)
+        chooser.observe(n_tokens, t, cost[t] * n_tokens)
+        used.append(t)
+    return used
+
+
+def test_candidates_are_all_threads_and_one_fewer() -> None:
+    assert candidates(1) == (1,)
+    assert candidates(2) == (2, 1)
+    assert candidates(16) == (16, 15)
+
+
+def test_each_count_is_measured_then_the_cheaper_one_is_used() -> None:
+    c = Chooser(2)
+    used = run(c, {2: 1.0, 1: 3.0}, 200)
+    assert used[:2] == [2, 1]  # both measured first
+    assert c.preferred(8) == 2
+    assert used.count(1) < 200 // decode_threads.EXPLORE_EVERY // 2 + 2
+
+
+def test_a_count_much_worse_is_retried_less_often() -> None:
+    """A count ten times dearer is tried about ten times less often than one a little dearer,
+    so trying never costs more than about 1 / EXPLORE_EVERY of the decode time."""
+    steps = 20_000
+    near = run(Chooser(2), {2: 1.0, 1: 1.2}, steps).count(1)
+    far = run(Chooser(2), {2: 1.0, 1: 10.0}, steps).count(1)
+    assert far * 5 < near
+    spent_exploring = far * 10.0
+    assert spent_exploring < steps * 1.0 * 2 / decode_threads.EXPLORE_EVERY
+
+
+def test_the_choice_follows_a_box_that_gets_busy() -> None:
+    """Two threads are cheaper on a quiet box; when the box gets busy (one thread now cheaper),
+    the chooser moves to one thread within a bounded number of steps, and back again."""
+    c = Chooser(2)
+    run(c, {2: 1.0, 1: 1.6}, 500)
+    assert c.preferred(8) == 2
+    used = run(c, {2: 10.0, 1: 1.6}, 500)
+    assert c.preferred(8) == 1
+    assert used[-100:].count(1) >= 95
+    used = run(c, {2: 1.0, 1: 1.6}, 20_000)
+    assert c.preferred(8) == 2
+    assert used[-100:].count(2) >= 95
+
+
+def test_steps_of_different_sizes_are_judged_apart() -> None:
+    """A prompt chunk and a generation step cost per token nothing alike: each size keeps its
+    own measure (here the chunk prefers two threads while the step prefers one)."""
+    c = Chooser(2)
+    for _ in range(300):
+        for n, cost in ((8, {2: 5.0, 1: 1.0}), (512, {2: 0.1, 1: 0.2})):
+            t = c.choose(n)
+            c.observe(n, t, cost[t] * n)
+    assert c.preferred(8) == 1
+    assert c.preferred(512) == 2
+    assert c.preferred(100_000) is None  # never seen
+
+
+class ThreadedBackend(FakeBackend):
+    """The grammar tests' fake, whose decode costs ``cost[threads]`` on a clock it advances:
+    the engine's timing is exercised without a wall clock."""
+
+    def __init__(self, cost: dict[int, float]) -> None:
+        super().__init__(lambda s: [1])  # token 1 forever: streams end at max_tokens
+        self.cost = cost
+        self.now = 0.0
+        self.threads = 0
+        self.set_calls: list[int] = []
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        self.set_calls.append(threads)
+
+    def decode(self) -> int:
+        self.now += self.cost[self.threads]
+        return 0
+
+
+def test_the_engine_decodes_each_step_with_the_chosen_count() -> None:
+    b = ThreadedBackend({2: 4.0, 1: 1.0})
+    chooser = Chooser(2)
+    e = Engine(b, n_slots=2, n_ctx_slot=512, n_batch=64, threads=chooser, clock=lambda: b.now)
+    try:
+        jobs = [e.submit(Job([3, 4, 5], 200, Sampling(temperature=0))) for _ in range(2)]
+        for j in jobs:
+            toks, end = drain(j)
+            assert isinstance(end, End) and end.reason == "length"
+            assert len(toks) == 200 and EOG not in {t.id for t in toks}
+    finally:
+        e.close()
+    # Both counts were set and measured; then one thread (4x cheaper here) was kept, and the
+    # backend was told only when the count changed.
+    assert b.set_calls[:2] == [2, 1]
+    assert chooser.preferred(2) == 1
+    assert all(a != b for a, b in zip(b.set_calls, b.set_calls[1:], strict=False))
+    assert b.set_calls.count(2) < e.steps // 4
+
+
+def test_an_engine_without_a_chooser_never_sets_threads() -> None:
+    b = ThreadedBackend({0: 1.0})
+    e = Engine(b, n_slots=1, n_ctx_slot=512, n_batch=64)
+    try:
+        drain(e.submit(Job([3, 4], 20, Sampling(temperature=0))))
+    finally:
+        e.close()
+    assert b.set_calls == []
