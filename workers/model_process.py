@@ -49,7 +49,21 @@ REDIS_BACKOFF_S = (0.1, 2.0)  # first and longest wait between tries while Redis
 # last renewal, so a stream longer than the TTL never loses its key mid-reply).
 RENEW_TTL_S = keys.REPLY_TTL_S / 4
 OWNERSHIP_CHECK_S = 1.0
-FLUSH_EVERY_S = 0.02  # after the first text, streamed chunks are batched at most this long
+# After a stream's first text, its chunks are batched: every FLUSH_EVERY_S while the process
+# serves one or two streams, longer with more (FLUSH_EVERY_S per two streams, at most
+# FLUSH_MAX_S): a flush costs a Redis round trip here and a read and a write in web whatever it
+# carries, so with many streams fewer, fuller flushes cost less CPU per token, while each
+# stream's text still moves at least every FLUSH_MAX_S.
+FLUSH_EVERY_S = 0.02
+FLUSH_MAX_S = 0.05
+FLUSH_STREAMS = 2
+
+
+def flush_interval(streams: int) -> float:
+    """How long a stream's chunks wait for company while ``streams`` requests are served."""
+    return min(FLUSH_MAX_S, FLUSH_EVERY_S * max(1.0, streams / FLUSH_STREAMS))
+
+
 SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
 # For a load command that carries none (written by an older coordinator).
 GRAMMAR_BUDGET_S = float(WorkerSettings.model_fields["grammar_budget_s"].default)
@@ -592,8 +606,8 @@ class ModelProcess:
     ) -> tuple[str, dict[str, Any]] | None:
         """Forward chunks in small batches: everything up to and including the first chunk with
         text at once (llama.cpp sends a role-only chunk first; batching the first token behind
-        it cost a whole batch interval of time to first token), then at most every
-        FLUSH_EVERY_S; each flush also reads the cancel flag in the same round trip,
+        it cost a whole batch interval of time to first token), then every ``flush_interval``
+        (longer the more streams this process serves); each flush also reads the cancel flag in the same round trip,
         so a client that went away stops the generation within one batch even without the
         watcher. A stream stopped by its deadline sends what it has before the error. With
         ``tail``, the chunks left when it ends go there, for the caller to write with the last
@@ -621,7 +635,7 @@ class ModelProcess:
                     texted = _has_text(chunk)
                     due = True
                 else:
-                    due = now - last_flush >= FLUSH_EVERY_S
+                    due = now - last_flush >= flush_interval(len(self._in_flight))
                 if due:
                     last_flush = now
                     renew = sent == 0 or now - last_ttl >= RENEW_TTL_S
