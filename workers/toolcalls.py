@@ -100,6 +100,9 @@ class ToolText:
         self._started = False  # something other than whitespace was seen
         self._whole_json = False  # the answer started with "{": held to its end
         self._in_block = False  # inside <tool_call> ... (the opener is in _buf)
+        # Where the closer may start in _buf, inside a block: the text before was searched,
+        # so each token's search covers its own text, not the whole call again.
+        self._close_from = 0
         self._after_call = False  # only whitespace since the last call (not worth sending)
         self.calls = 0
 
@@ -124,12 +127,14 @@ class ToolText:
         out: list[Piece] = []
         while True:
             if self._in_block:
-                end = self._buf.find(CLOSE)
+                end = self._buf.find(CLOSE, self._close_from)
                 if end < 0:
+                    self._close_from = max(0, len(self._buf) - len(CLOSE) + 1)
                     return out
                 block = self._buf[: end + len(CLOSE)]
                 self._buf = self._buf[end + len(CLOSE) :]
                 self._in_block = False
+                self._close_from = 0
                 out += self._block(block)
                 continue
             start = self._buf.find(OPEN)

@@ -244,3 +244,16 @@ def test_none_drops_the_tools_and_auto_parses_on_a_template() -> None:
     assert p.params == {"messages": []}
     p = chat_tools.plan({"messages": [], "tools": TOOLS}, chat_tools.TEMPLATE, "x", True)
     assert p.params["tools"] == TOOLS and p.parse == frozenset(NAMES)
+
+
+def test_a_call_fed_one_character_at_a_time_is_read_once_whole() -> None:
+    """The closer is searched from where the last search could not have found it: a closer
+    split over any two pieces is still found, and the call read once."""
+    from workers.toolcalls import CLOSE, OPEN
+
+    text = f'ok {OPEN}{{"name": "get", "arguments": {{"q": "{"x" * 300}"}}}}{CLOSE} done'
+    reader = ToolText(["get"])
+    pieces = [p for ch in text for p in reader.feed(ch)] + reader.finish()
+    calls = [v for k, v in pieces if k == "call"]
+    assert len(calls) == 1 and reader.calls == 1
+    assert "".join(v for k, v in pieces if k == "content").strip().split() == ["ok", "done"]
