@@ -607,11 +607,11 @@ class ModelProcess:
         """Forward chunks in small batches: everything up to and including the first chunk with
         text at once (llama.cpp sends a role-only chunk first; batching the first token behind
         it cost a whole batch interval of time to first token), then every ``flush_interval``
-        (longer the more streams this process serves); each flush also reads the cancel flag in the same round trip,
-        so a client that went away stops the generation within one batch even without the
-        watcher. A stream stopped by its deadline sends what it has before the error. With
-        ``tail``, the chunks left when it ends go there, for the caller to write with the last
-        reply (else they are flushed here)."""
+        (longer the more streams this process serves); each flush also reads the cancel flag
+        in the same round trip, so a client that went away stops the generation within one
+        batch even without the watcher. A stream stopped by its deadline sends what it has
+        before the error. With ``tail``, the chunks left when it ends go there, for the caller
+        to write with the last reply (else they are flushed here)."""
         batch: list[dict[str, Any]] = []
         sent = 0
         texted = False
