@@ -16,7 +16,7 @@ buy). Models: Gemma 3 270M Q4_K_M (chat_format "gemma") and the tiny random mode
    between consecutive such chunks of one request (p99 over the run); errors = non-200
    answers, ``error`` events in a stream and exceptions (timeouts included). Targets are
    interleaved within each round (box, llama-server, box with 1 slot, then again); the table
-   shows medians over ``--rounds`` (errors: the sum).
+   shows medians over ``--rounds`` (errors: the sum; CPU per token: CPU summed / tokens summed).
 2. CPU per token of each target: the CPU time (user + system) of every process of it, read
    from the kernel's counters right before and right after each run (bench/cputime.py), over
    the run's tokens; the box's also by role (web, coordinator, agent, each model process by
@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -376,7 +375,8 @@ def metered_run(
 
 @dataclass(frozen=True)
 class Summary:
-    """A target's runs at one client count: medians over rounds, errors summed."""
+    """A target's runs at one client count: medians over rounds, errors, tokens and CPU
+    summed."""
 
     rounds: int
     requests: int
@@ -418,7 +418,7 @@ def summarize(runs: list[Run]) -> Summary:
         errors=[e for r in runs for e in r.errors],
         resent=sum(s.resent for s in streams),
         tokens=sum(r.tokens for r in runs),
-        cpu_s=functools.reduce(lambda acc, r: cputime.add(acc, r.cpu_s.items()), runs, {}),
+        cpu_s=cputime.add({}, (kv for r in runs for kv in r.cpu_s.items())),
     )
 
 
