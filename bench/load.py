@@ -16,11 +16,17 @@ buy). Models: Gemma 3 270M Q4_K_M (chat_format "gemma") and the tiny random mode
    between consecutive such chunks of one request (p99 over the run); errors = non-200
    answers, ``error`` events in a stream and exceptions (timeouts included). Targets are
    interleaved within each round (box, llama-server, box with 1 slot, then again); the table
-   shows medians over ``--rounds`` (errors: the sum).
-2. Ratios against llama-server measured in the same run, and the targets: one client ≥ 0.95x
-   its tokens/s; 8 clients ≥ 0.9x its tokens/s and ≤ 1.5x its p99 TTFT; 0 errors at 64 clients.
-3. Resident memory: each process of the box by role, and llama-server's processes.
-4. A 10-turn conversation while 4 other clients loop streamed requests to the same model: each
+   shows medians over ``--rounds`` (errors: the sum; CPU per token: CPU summed / tokens summed).
+2. CPU per token of each target: the CPU time (user + system) of every process of it, read
+   from the kernel's counters right before and right after each run (bench/cputime.py), over
+   the run's tokens; the box's also by role (web, coordinator, agent, each model process by
+   model, Redis, supervisor).
+3. Ratios against llama-server measured in the same run, and the targets (``GOALS``): tiny at
+   1, 8, 32 and 64 clients ≥ 0.9x its tokens/s (goal ≥ 1.0x) and ≤ 1.5x its CPU per token;
+   gemma at 1 client ≥ 0.95x its tokens/s, at 8 clients ≥ 0.95x its tokens/s and ≤ 1.2x its
+   p99 TTFT; 0 errors at 64 clients.
+4. Resident memory: each process of the box by role, and llama-server's processes.
+5. A 10-turn conversation while 4 other clients loop streamed requests to the same model: each
    turn appends ~100 tokens of user text (and the target's own previous reply); TTFT per turn,
    the box against llama-server (sent ``"cache_prompt": true``); target: the median of the
    per-turn ratios ≤ 1.2x. Cached prompt tokens are shown where a server reports them
@@ -30,14 +36,16 @@ Nothing asserts a time. The load generator runs on the same cores as the servers
 target alike. The full run takes long (the 1-slot box at 64 clients serves 512 requests one by
 one); ``--quick`` runs the tiny model only, 1 and 8 clients, one round.
 
-    .venv/bin/python bench/load.py [--quick] [--clients 1,8] [--slots 8] [--rounds 2]
-        [--requests 8] [--tokens 32] [--llama-server PATH] [--out docs/benchmarks.md]
+    .venv/bin/python bench/load.py [--quick] [--clients 1,8,32,64] [--slots 8] [--rounds 2]
+        [--requests 8] [--tokens 64] [--models gemma,tiny] [--llama-server PATH]
+        [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -52,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cputime
 import psutil
 import requests
 from overhead import (
@@ -75,7 +84,7 @@ from residency.tinymodel import write_tiny_model
 
 BEGIN = "<!-- load:begin -->"
 END = "<!-- load:end -->"
-CLIENTS = (1, 4, 8, 16, 64)
+CLIENTS = (1, 8, 32, 64)
 QUICK_CLIENTS = (1, 8)
 N_CTX = 2048  # per slot, on every target: the conversation needs ~1.5k tokens
 HTTP_TIMEOUT = (10.0, 120.0)  # connect; longest silence between two bytes of an answer
@@ -85,10 +94,8 @@ TURN_WORDS = 100  # each word of the turn vocabularies below is one token of its
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache/residency/llama-server/build/bin/llama-server"
 MIB = 1024 * 1024
 
-T_ONE_TOKS = 0.95  # 1 client: box tokens/s against llama-server's, at least
-T_EIGHT_TOKS = 0.9  # 8 clients: aggregate tokens/s, at least
-T_EIGHT_TTFT = 1.5  # 8 clients: p99 TTFT, at most
 T_CONV_TTFT = 1.2  # conversation: median per-turn TTFT ratio, at most
+ERRORS_AT = 64  # client count whose box errors must be 0
 
 # Every word here is one "▁word" piece of the tiny model's vocabulary (residency/tinymodel.py).
 TINY_WORDS = (
@@ -307,6 +314,7 @@ def request_bound_s(n: int) -> float:
 class Run:
     wall_s: float
     streams: list[Stream]
+    cpu_s: dict[str, float] = field(default_factory=dict)  # the target's CPU by role
 
     @property
     def tokens(self) -> int:
@@ -355,9 +363,20 @@ def load_run(
     return Run(time.perf_counter() - t0, [s for r in results for s in r])
 
 
+def metered_run(
+    target: Target, model: Model, clients: int, per_client: int, tokens: int, first: int
+) -> Run:
+    """``load_run`` with the target's CPU by role, read right before and right after it."""
+    before = cputime.snapshot(role_map(target))
+    run = load_run(target, model, clients, per_client, tokens, first)
+    after = cputime.snapshot(role_map(target))
+    return dataclasses.replace(run, cpu_s=cputime.cpu_by_role(before, after))
+
+
 @dataclass(frozen=True)
 class Summary:
-    """A target's runs at one client count: medians over rounds, errors summed."""
+    """A target's runs at one client count: medians over rounds, errors, tokens and CPU
+    summed."""
 
     rounds: int
     requests: int
@@ -368,6 +387,16 @@ class Summary:
     tokens_per_request: float
     errors: list[str]
     resent: int
+    tokens: int = 0  # content tokens of all rounds
+    cpu_s: dict[str, float] = field(default_factory=dict)  # by role, summed over rounds
+
+    @property
+    def cpu_ms_per_token(self) -> float | None:
+        """The target's CPU (every process of it) per streamed token, over all rounds."""
+        return self.role_ms_per_token(cputime.total_s(self.cpu_s)) if self.cpu_s else None
+
+    def role_ms_per_token(self, seconds: float) -> float | None:
+        return seconds * 1000 / self.tokens if self.tokens else None
 
 
 def median_of(values: list[float | None]) -> float | None:
@@ -388,6 +417,8 @@ def summarize(runs: list[Run]) -> Summary:
         tokens_per_request=sum(len(s.times) for s in ok) / len(ok) if ok else 0.0,
         errors=[e for r in runs for e in r.errors],
         resent=sum(s.resent for s in streams),
+        tokens=sum(r.tokens for r in runs),
+        cpu_s=cputime.add({}, (kv for r in runs for kv in r.cpu_s.items())),
     )
 
 
@@ -408,7 +439,7 @@ def measure_load(
             for rnd in range(args.rounds):
                 for t in here:
                     print(f"  {model.name}: {c} clients, round {rnd + 1}: {t.name}", flush=True)
-                    runs[t.name].append(load_run(t, model, c, args.requests, args.tokens, first))
+                    runs[t.name].append(metered_run(t, model, c, args.requests, args.tokens, first))
                 first += c * args.requests
             out[(model.name, c)] = {name: summarize(r) for name, r in runs.items()}
     return out
@@ -503,12 +534,15 @@ def measure_conversations(
 
 def box_toml(path: Path, port: int, models: list[Model], slots: int, clients: int) -> Path:
     """Both models resident; enough web threads that one gunicorn worker alone can hold every
-    stream of the run, and a queue that never refuses one of its clients."""
+    stream of the run, and a queue that never refuses one of its clients. No API keys: on
+    loopback, and llama-server is asked without any either."""
     q = json.dumps  # a JSON string is a TOML string too
     lines = [
         "[server]",
         f"port = {port}",
         f"web_threads = {max(16, clients + BUSY_CLIENTS + 4)}",
+        "[auth]",
+        "required = false",
         "[pool]",
         f"max_loaded_models = {len(models)}",
         f"max_queue_per_model = {max(64, 2 * (clients + BUSY_CLIENTS))}",
@@ -632,14 +666,22 @@ def shown(value: float, limit: float) -> str:
     return f"{value:.{digits}f}"
 
 
-def verdict(label: str, value: float | None, limit: float, at_least: bool) -> str:
+def verdict(
+    label: str, value: float | None, limit: float, at_least: bool, goal: float | None = None
+) -> str:
+    """One target's line; with a ``goal``, whether that stricter figure is reached too."""
     sign = "≥" if at_least else "≤"
     if value is None:
         return f"- {label}: not measured (target {sign} {limit:g}x: MISSED)"
-    ok = value >= limit if at_least else value <= limit
-    return (
-        f"- {label}: {shown(value, limit)}x (target {sign} {limit:g}x: {'met' if ok else 'MISSED'})"
-    )
+
+    def reached(bound: float) -> bool:
+        return value >= bound if at_least else value <= bound
+
+    line = f"- {label}: {shown(value, limit)}x (target {sign} {limit:g}x: "
+    line += "met" if reached(limit) else "MISSED"
+    if goal is not None:
+        line += f"; goal {sign} {goal:g}x: {'reached' if reached(goal) else 'not reached'}"
+    return line + ")"
 
 
 LOAD_COLUMNS = (
@@ -654,6 +696,8 @@ LOAD_COLUMNS = (
     "errors",
     "tok/s x server",
     "TTFT p99 x server",
+    "CPU ms/tok",
+    "CPU x server",
 )
 
 
@@ -664,6 +708,7 @@ def load_rows(results: Results, peer: str | None) -> list[list[str]]:
         for name, s in by_target.items():
             toks = ratio(s.tokens_per_s, ref.tokens_per_s) if ref and name != peer else None
             ttft = ratio(s.ttft_p99_ms, ref.ttft_p99_ms) if ref and name != peer else None
+            cpu = ratio(s.cpu_ms_per_token, ref.cpu_ms_per_token) if ref and name != peer else None
             rows.append(
                 [
                     model,
@@ -677,38 +722,83 @@ def load_rows(results: Results, peer: str | None) -> list[list[str]]:
                     f"{len(s.errors)}/{s.requests}",
                     "-" if toks is None else f"{toks:.3f}",
                     "-" if ttft is None else f"{ttft:.3f}",
+                    "-" if s.cpu_ms_per_token is None else f"{s.cpu_ms_per_token:.3f}",
+                    "-" if cpu is None else f"{cpu:.3f}",
                 ]
             )
     return rows
 
 
+CPU_COLUMNS = ("model", "clients", "target", "role", "CPU ms/tok")
+
+
+def cpu_rows(results: Results) -> list[list[str]]:
+    """Each target's CPU per token by role, the roles of one target by CPU, most first."""
+    rows = []
+    for (model, clients), by_target in results.items():
+        for name, s in by_target.items():
+            for role, seconds in sorted(s.cpu_s.items(), key=lambda kv: (-kv[1], kv[0])):
+                per = s.role_ms_per_token(seconds)
+                rows.append([model, str(clients), name, role, ms3(per)])
+    return rows
+
+
+def ms3(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One target: ``metric`` of the box / llama-server's, for a model at a client count."""
+
+    model: str
+    clients: int
+    label: str
+    metric: str  # a Summary attribute
+    limit: float
+    at_least: bool
+    goal: float | None = None  # a stricter figure aimed at, printed beside the target
+
+
+GOALS = (
+    *(
+        g
+        for c in (1, 8, 32, 64)
+        for g in (
+            Goal("tiny", c, "tokens/s", "tokens_per_s", 0.9, True, goal=1.0),
+            Goal("tiny", c, "CPU per token", "cpu_ms_per_token", 1.5, False),
+        )
+    ),
+    Goal("gemma", 1, "tokens/s", "tokens_per_s", 0.95, True),
+    Goal("gemma", 8, "tokens/s", "tokens_per_s", 0.95, True),
+    Goal("gemma", 8, "p99 TTFT", "ttft_p99_ms", 1.2, False),
+)
+
+
 def load_verdicts(results: Results, models: list[Model], box: str, peer: str | None) -> list[str]:
     out = []
     for m in models:
-        one, eight, many = (results.get((m.name, c)) for c in (1, 8, 64))
         if peer is None:
             out.append(f"- {m.name}: the ratios to llama-server are not measured (it was not run)")
-        else:
-            for label, res, get, limit, at_least in (
-                ("1 client, tokens/s", one, "tokens_per_s", T_ONE_TOKS, True),
-                ("8 clients, tokens/s", eight, "tokens_per_s", T_EIGHT_TOKS, True),
-                ("8 clients, p99 TTFT", eight, "ttft_p99_ms", T_EIGHT_TTFT, False),
-            ):
-                name = f"{m.name}, {label}, {box} / llama-server"
-                if res is None:
-                    out.append(f"- {name}: not measured (that client count was not run)")
-                    continue
-                value = ratio(getattr(res[box], get), getattr(res[peer], get))
-                out.append(verdict(name, value, limit, at_least))
+        for g in (g for g in GOALS if g.model == m.name and peer is not None):
+            clients = "1 client" if g.clients == 1 else f"{g.clients} clients"
+            name = f"{m.name}, {clients}, {g.label}, {box} / llama-server"
+            res = results.get((m.name, g.clients))
+            if res is None:
+                out.append(f"- {name}: not measured (that client count was not run)")
+                continue
+            value = ratio(getattr(res[box], g.metric), getattr(res[peer], g.metric))
+            out.append(verdict(name, value, g.limit, g.at_least, g.goal))
+        many = results.get((m.name, ERRORS_AT))
         if many is None:
-            out.append(f"- {m.name}, 64 clients, errors: not measured (not run)")
+            out.append(f"- {m.name}, {ERRORS_AT} clients, errors: not measured (not run)")
         else:
             errs = many[box].errors
             ok = "met" if not errs else "MISSED"
             first = f"; first: {errs[0]}" if errs else ""
             out.append(
-                f"- {m.name}, 64 clients, {box} errors: {len(errs)} of {many[box].requests} "
-                f"(target 0: {ok}){first}"
+                f"- {m.name}, {ERRORS_AT} clients, {box} errors: {len(errs)} of "
+                f"{many[box].requests} (target 0: {ok}){first}"
             )
     return out
 
@@ -826,16 +916,37 @@ def model_pids(t: Target) -> dict[int, str]:
     return {m["pid"]: m["name"] for m in r.json()["models"] if m.get("pid")}
 
 
-def box_roles(t: Target) -> dict[str, tuple[int, int]]:
-    """Resident memory and process count by role (as ``overhead.rss_by_role``), each loaded
-    model process named by its model and every other model process counted as idle."""
+def box_role_processes(t: Target) -> list[tuple[str, psutil.Process]]:
+    """Every process of the box with its role, each loaded model process named by its model
+    and every other model process counted as idle."""
     loaded = model_pids(t)
-    out: dict[str, tuple[int, int]] = {}
+    out = []
     for role, p in box_processes(t.pids["box"]):
         if p.pid in loaded:
             role = f"model {loaded[p.pid]}"
         elif role.startswith("model "):
             role = "idle model process"
+        out.append((role, p))
+    return out
+
+
+def role_map(t: Target) -> dict[int, str]:
+    """pid -> role of every process of a target: the box's by role (``box_role_processes``),
+    llama-server's one process per model."""
+    if t.is_peer:
+        out = {}
+        for name, pid in t.pids.items():
+            out[pid] = f"llama-server {name}"
+            with contextlib.suppress(psutil.Error):
+                out.update((c.pid, f"llama-server {name}") for c in psutil.Process(pid).children())
+        return out
+    return {p.pid: role for role, p in box_role_processes(t)}
+
+
+def box_roles(t: Target) -> dict[str, tuple[int, int]]:
+    """Resident memory and process count by role (as ``overhead.rss_by_role``)."""
+    out: dict[str, tuple[int, int]] = {}
+    for role, p in box_role_processes(t):
         with contextlib.suppress(psutil.Error):
             rss, count = out.get(role, (0, 0))
             out[role] = (rss + p.memory_info().rss, count + 1)
@@ -885,13 +996,17 @@ def memory(targets: list[Target], models: list[Model]) -> list[str]:
 class Report:
     setup: str
     load_rows: list[list[str]]
+    cpu_rows: list[list[str]]
     verdicts: list[str]
     conv: dict[str, tuple[list[list[str]], list[str]]]
     memory: list[str]
     notes: list[str]
 
     def text(self) -> str:
-        parts = [self.setup, "", text_table(LOAD_COLUMNS, self.load_rows), "", "targets:"]
+        parts = [self.setup, "", text_table(LOAD_COLUMNS, self.load_rows), ""]
+        if self.cpu_rows:
+            parts += ["CPU per token by role:", text_table(CPU_COLUMNS, self.cpu_rows), ""]
+        parts.append("targets:")
         parts += self.verdicts
         for model, (rows, lines) in self.conv.items():
             parts += ["", f"conversation, {model}:", text_table(CONV_COLUMNS, rows), *lines]
@@ -911,6 +1026,12 @@ class Report:
             "",
             LEGEND,
             "",
+            "CPU per token by role (the same runs):",
+            "",
+            md_table(CPU_COLUMNS, self.cpu_rows) if self.cpu_rows else "(not measured)",
+            "",
+            CPU_LEGEND,
+            "",
             "Targets:",
             "",
             *self.verdicts,
@@ -926,7 +1047,16 @@ LEGEND = (
     "chunk with non-empty content; tok/s = tokens of all clients / the run's wall time; TTFT = "
     "request sent to its first token; TBT = gap between consecutive tokens of one request (the "
     "box batches chunks on the wire at most every 20 ms); tok/req = tokens per answered request; "
-    "x server = this row / llama-server's, measured in the same run."
+    "x server = this row / llama-server's, measured in the same run; CPU ms/tok = CPU time "
+    "(user + system) of every process of the target over its runs / their tokens."
+)
+CPU_LEGEND = (
+    "CPU from each process's own counters (`/proc/PID/stat` utime + stime, and cutime + cstime "
+    "of the children it reaped), read right before and right after each run, summed over "
+    "rounds and divided by the tokens of those runs. The box's processes by role (web = the "
+    "gunicorn master and its workers; each loaded model process by its model; the model "
+    "processes of the model not under load are counted too, idle); llama-server's one process "
+    "per model (the other model's idle one too). The load generator's own CPU is not counted."
 )
 
 
@@ -979,6 +1109,7 @@ def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Rep
     return Report(
         setup,
         load_rows(results, peer),
+        cpu_rows(results),
         load_verdicts(results, models, box, peer),
         {m: conv_block(m, c, box, peer) for m, c in convs.items()},
         memory(targets, models),
@@ -998,9 +1129,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="tiny model only, 1 and 8 clients, 1 round"
     )
-    ap.add_argument("--clients", type=client_counts, help="comma-separated client counts")
+    ap.add_argument(
+        "--clients",
+        type=client_counts,
+        help=f"comma-separated client counts ({','.join(map(str, CLIENTS))})",
+    )
     ap.add_argument("--requests", type=int, default=8, help="requests per client (8)")
-    ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request (32)")
+    ap.add_argument("--tokens", type=int, default=64, help="max_tokens per request (64)")
     ap.add_argument("--slots", type=int, default=8, help="parallel slots of the box and server (8)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (2; --quick: 1)")
     ap.add_argument(
