@@ -546,9 +546,6 @@ def box_toml(path: Path, port: int, models: list[Model], slots: int, clients: in
         "[pool]",
         f"max_loaded_models = {len(models)}",
         f"max_queue_per_model = {max(64, 2 * (clients + BUSY_CLIENTS))}",
-        # Keyless, as llama-server is: what is measured is the token path, not a key check.
-        "[auth]",
-        "required = false",
     ]
     for m in models:
         lines += [f"[models.{q(m.name)}]", f"path = {q(str(m.path))}", f"n_ctx = {N_CTX}"]
