@@ -342,6 +342,7 @@ def is_loopback(host: str) -> bool:
 #: (``pool.max_loaded_models``). "rerank": a GGUF reranker, loaded with llama.cpp's rank pooling
 #: (POST /v1/rerank).
 ModelType = Literal["llm", "embedding", "rerank"]
+FlashAttn = Literal["auto", "on", "off"]
 MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 
 
@@ -360,6 +361,10 @@ class ModelSpec(_Strict):
     n_threads: int | None = Field(None, ge=1, le=1024)
     n_threads_batch: int | None = Field(None, ge=1, le=1024)
     n_batch: int = Field(512, ge=1, le=1 << 16)
+    # Flash attention: "auto" lets llama.cpp enable it where the device supports it (as
+    # llama-server does by default: on a CPU it decoded Gemma 3 270M 1.4x as fast), "on"
+    # requires it, "off" never uses it.
+    flash_attn: FlashAttn = "auto"
     # The most tokens one request may generate (None: n_ctx). Web applies it to each request it
     # submits, so it takes effect at once, not at the next load.
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)

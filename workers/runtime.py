@@ -259,6 +259,10 @@ def _strict_strings() -> None:
     llama_grammar.DOT = STRICT_DOT
 
 
+#: ``[models.X] flash_attn`` as llama.cpp's ``llama_flash_attn_type``.
+FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
+
+
 @functools.cache
 def _batched_llama() -> Any:
     """llama_cpp.Llama whose ``create_completion`` runs on the batched engine. Its chat handlers
@@ -272,16 +276,23 @@ def _batched_llama() -> Any:
         engine: Engine | None = None
         pieces: Pieces | None = None
 
-        def __init__(self, *args: Any, sequences: int = 1, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, sequences: int = 1, flash_attn_type: int = -1, **kwargs: Any
+        ) -> None:
             self._sequences = sequences
+            self._flash_attn_type = flash_attn_type
             super().__init__(*args, **kwargs)
 
         # The constructor makes its context from these parameters right after it sets them:
         # every assignment gets ``sequences`` sequences, each with its own KV cells (not
         # unified, so one slot's long prompt never takes another's room), and n_ctx is their
-        # total. One context, made once.
+        # total. One context, made once. Flash attention is the spec's: the constructor writes
+        # on or off into the parameters after this assignment (it has no "auto", llama.cpp's
+        # own default and llama-server's: decide per device), so every read puts the spec's
+        # back, and the read that hands them to the context gets it.
         @property
         def context_params(self) -> Any:
+            self._context_params.flash_attn_type = self._flash_attn_type
             return self._context_params
 
         @context_params.setter
@@ -618,9 +629,13 @@ class LlamaRuntime:
         import llama_cpp
 
         kind: dict[str, Any] = (
-            {"embedding": True}
+            {"embedding": True, "flash_attn": spec.flash_attn == "on"}
             if embedding
-            else {"sequences": self.parallel, "n_ctx": spec.n_ctx * self.parallel}
+            else {
+                "sequences": self.parallel,
+                "n_ctx": spec.n_ctx * self.parallel,
+                "flash_attn_type": FLASH_ATTN_TYPES[spec.flash_attn],
+            }
         )
         if spec.type == "rerank":
             # Rank pooling attaches the reranker's classification head: one score per

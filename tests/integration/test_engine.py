@@ -220,6 +220,33 @@ def test_the_decode_thread_count_is_measured_unless_configured_and_never_changes
     assert texts["chosen"] == texts["one"]
 
 
+@pytest.mark.parametrize(("setting", "llama_type"), [(None, -1), ("off", 0), ("on", 1)])
+def test_flash_attention_is_llama_cpps_choice_unless_configured(
+    tiny: Path, setting: str | None, llama_type: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, the context is made with llama.cpp's "auto" (as llama-server's default); "on" and
+    "off" are passed as they are. Either way it generates."""
+    from llama_cpp import _internals
+
+    made: list[int] = []  # the flash attention type each context was created with
+
+    class Recorded(_internals.LlamaContext):  # type: ignore[misc]
+        def __init__(self, *, params: Any, **kw: Any) -> None:
+            made.append(int(params.flash_attn_type))
+            super().__init__(params=params, **kw)
+
+    monkeypatch.setattr(_internals, "LlamaContext", Recorded)
+    extra = {} if setting is None else {"flash_attn": setting}
+    rt = LlamaRuntime()
+    rt.load(ModelSpec(path=str(tiny), n_ctx=256, parallel=2, **extra), "cpu")
+    try:
+        assert made == [llama_type]
+        out = rt.completion({"prompt": "flash", "max_tokens": 8, "temperature": 0}, False)
+        assert out["usage"]["completion_tokens"] > 0
+    finally:
+        rt.close()
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},

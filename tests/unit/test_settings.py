@@ -129,3 +129,11 @@ def test_api_key_env_must_carry_the_remote_prefix() -> None:
         {**remote, "api_key_env": "OPENAI_API_KEY"}, context={st.STORED: True}
     )
     assert stored.api_key_env == "OPENAI_API_KEY"
+
+
+def test_flash_attention_defaults_to_llama_cpps_choice_and_names_a_bad_value() -> None:
+    s = st.build({"models": {"a": {"path": "/m/a.gguf"}}})
+    assert s.models["a"].flash_attn == "auto"
+    with pytest.raises(st.SettingsError) as e:
+        st.build({"models": {"a": {"path": "/m/a.gguf", "flash_attn": "maybe"}}})
+    assert "models.a.flash_attn" in e.value.problems
