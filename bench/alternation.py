@@ -203,6 +203,11 @@ def box_toml(path: Path, port: int, paths: dict[str, Path], autosize: bool) -> P
         "[server]",
         f"port = {port}",
         "web_workers = 1",
+        # The bench's client sends no key: a box requires one by default, on /health and
+        # /metrics too.
+        "[auth]",
+        "required = false",
+        "public_health = true",
         "[pool]",
         "max_loaded_models = 1",
         f"llm_pool_autosize = {'true' if autosize else 'false'}",
