@@ -13,8 +13,10 @@ two: a prompt chunk costs per token nothing like a generation step) and per cand
 count, a moving average of the step's wall time per token, and picks the count that has been
 cheapest. The other count is tried again from time to time to see whether the box got quieter
 or busier: after ``explore_every`` steps of that size, times how much worse it was last seen,
-so a count that costs ten times more is retried ten times less often and exploration never
-costs more than about ``1 / explore_every`` of the decode time.
+so a count that costs ten times more is retried ten times less often (but at least every
+``EXPLORE_EVERY x MAX_BACKOFF`` steps) and exploration costs a few percent of the decode time
+at most. Each count is measured twice before either is preferred: a size's first step pays for
+what a first decode touches.
 
 Candidates: all the threads the model may use, and one fewer (a core left to the path each
 token travels). A model whose ``n_threads`` is set in its config gets exactly that: no
@@ -27,7 +29,13 @@ from dataclasses import dataclass, field
 
 EWMA = 0.25  # weight of the newest step in a count's moving average
 EXPLORE_EVERY = 32  # steps of one size before the count not chosen is tried again (at best)
-MAX_BACKOFF = 64  # a count is retried at least every EXPLORE_EVERY x this many steps
+# A count is retried at least every EXPLORE_EVERY x this many steps: one unlucky measure (the
+# box busy for a moment) keeps the better count unused for at most that long, and retrying a
+# count ten times dearer costs 10 / (EXPLORE_EVERY x MAX_BACKOFF), about 4% of the decode time.
+MAX_BACKOFF = 8
+# Each count is measured this many times before one is preferred, the first measure replaced
+# by the next (a size's first step pays for what a first decode touches).
+FIRST_MEASURES = 2
 
 
 def candidates(threads: int) -> tuple[int, ...]:
@@ -41,6 +49,7 @@ class _Size:
 
     cost: dict[int, float] = field(default_factory=dict)  # threads -> seconds per token
     tried: dict[int, int] = field(default_factory=dict)  # threads -> step number when last used
+    measured: dict[int, int] = field(default_factory=dict)  # threads -> steps timed
     steps: int = 0
 
 
@@ -59,8 +68,8 @@ class Chooser:
         """The thread count for the next step of ``n_tokens`` tokens."""
         s = self._sizes.setdefault(self.size(n_tokens), _Size())
         s.steps += 1
-        for t in self.options:  # each count is measured once before any is preferred
-            if t not in s.cost:
+        for t in self.options:  # each count is measured before any is preferred
+            if s.measured.get(t, 0) < FIRST_MEASURES:
                 return self._use(s, t)
         best = min(self.options, key=lambda t: s.cost[t])
         for t in self.options:
@@ -81,12 +90,17 @@ class Chooser:
         """A step of ``n_tokens`` decoded with ``threads`` threads took ``seconds``."""
         s = self._sizes.setdefault(self.size(n_tokens), _Size())
         per_token = seconds / max(1, n_tokens)
+        seen = s.measured.get(threads, 0)
+        s.measured[threads] = seen + 1
         prev = s.cost.get(threads)
-        s.cost[threads] = per_token if prev is None else prev + EWMA * (per_token - prev)
+        if prev is None or seen < FIRST_MEASURES:
+            s.cost[threads] = per_token  # the first measures are replaced, not averaged
+        else:
+            s.cost[threads] = prev + EWMA * (per_token - prev)
 
     def preferred(self, n_tokens: int) -> int | None:
         """The count cheapest so far for steps of this size (None: not measured yet)."""
         s = self._sizes.get(self.size(n_tokens))
-        if s is None or any(t not in s.cost for t in self.options):
+        if s is None or any(s.measured.get(t, 0) < FIRST_MEASURES for t in self.options):
             return None
         return min(self.options, key=lambda t: s.cost[t])

@@ -29,14 +29,32 @@ def test_candidates_are_all_threads_and_one_fewer() -> None:
 def test_each_count_is_measured_then_the_cheaper_one_is_used() -> None:
     c = Chooser(2)
     used = run(c, {2: 1.0, 1: 3.0}, 200)
-    assert used[:2] == [2, 1]  # both measured first
+    assert used[:4] == [2, 2, 1, 1]  # both measured (twice) first
     assert c.preferred(8) == 2
     assert used.count(1) < 200 // decode_threads.EXPLORE_EVERY // 2 + 2
 
 
+def test_a_slow_first_step_does_not_condemn_a_count() -> None:
+    """A size's first decode pays for what it touches first: it is replaced by the next
+    measure, so the faster count is preferred from the start."""
+    c = Chooser(2)
+    first = {2: True}
+
+    def cost(t: int) -> float:
+        if t == 2 and first.pop(2, False):
+            return 100.0
+        return {2: 1.0, 1: 1.5}[t]
+
+    for _ in range(4):
+        t = c.choose(8)
+        c.observe(8, t, cost(t) * 8)
+    assert c.preferred(8) == 2
+
+
 def test_a_count_much_worse_is_retried_less_often() -> None:
-    """A count ten times dearer is tried about ten times less often than one a little dearer,
-    so trying never costs more than about 1 / EXPLORE_EVERY of the decode time."""
+    """A count ten times dearer is tried several times less often than one a little dearer
+    (at least every EXPLORE_EVERY x MAX_BACKOFF steps), so trying costs a few percent of the
+    decode time."""
     steps = 20_000
     near = run(Chooser(2), {2: 1.0, 1: 1.2}, steps).count(1)
     far = run(Chooser(2), {2: 1.0, 1: 10.0}, steps).count(1)
