@@ -135,6 +135,7 @@ class Call:
         self._drained = True  # the message read last was the last of its read
         self._deadline_checked = False
         self.closed = False
+        self.finished = False  # its last reply message was read (the stream may still exist)
 
     @property
     def model(self) -> str:
@@ -193,10 +194,16 @@ class Call:
                         self._first = False
                         TTFT.labels(self.model).observe(time.time() - self.req.submitted)
                     if kind is not ReplyType.CHUNK:
-                        self.close()
-                    yield kind, data
-                    if kind is not ReplyType.CHUNK:
+                        # Complete: nothing to withdraw any more. Its stream is deleted once
+                        # the last message was handed on, so a stream's end goes to its
+                        # client before that round trip, not after it.
+                        self.finished = True
+                        try:
+                            yield kind, data
+                        finally:
+                            self.close()
                         return
+                    yield kind, data
                     deadline = time.monotonic() + self.timeout_s
 
     def _block_ms(self, left: float) -> int:
@@ -267,7 +274,7 @@ class Call:
         """Make room for another user's request: take this one out of its queue with
         ``error`` as its reply, which the thread reading it answers its client with at once.
         False when a model process took it already (or Redis did not answer): it stays."""
-        if self.closed:
+        if self.closed or self.finished:
             return False
         try:
             return self.scripts.push_out(self.model, self.req.id, self.item, error.to_reply())
@@ -277,8 +284,8 @@ class Call:
 
     def abandon(self) -> None:
         """Nobody will read the reply: drop the request from the queue if it is still there,
-        else stop its generation (the cancel flag)."""
-        if self.closed:
+        else stop its generation (the cancel flag). Nothing once its reply is complete."""
+        if self.closed or self.finished:
             return
         self.closed = True
         try:
