@@ -4,7 +4,8 @@ Three targets, all started once and kept up for the whole run (only one of them 
 time): the box (``residency up``) with ``parallel = S`` slots per model, ``llama-server
 --parallel S`` (one process per model, ``-c n_ctx*S`` so each slot has the box's ``n_ctx``, one
 thread per core of our affinity like the box), and the box with ``parallel = 1`` (what the slots
-buy). Models: Gemma 3 270M Q4_K_M (chat_format "gemma") and the tiny random model.
+buy). Models: Gemma 3 270M Q4_K_M (chat_format "gemma") and the tiny random model, or a GGUF
+given with ``--model`` (served with its own chat template; prompted with the tiny model's words).
 
 1. Load: for each model and client count C, C threads each send ``--requests`` streamed chat
    requests one after the other (``requests``, ``stream=True``, temperature 0, repeat_penalty
@@ -32,6 +33,7 @@ one); ``--quick`` runs the tiny model only, 1 and 8 clients, one round.
 
     .venv/bin/python bench/load.py [--quick] [--clients 1,8] [--slots 8] [--rounds 2]
         [--requests 8] [--tokens 32] [--llama-server PATH] [--out docs/benchmarks.md]
+        [--model PATH] [--server-args "-ngl 99"]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import contextlib
 import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -160,6 +163,12 @@ def make_models(tmp: Path, quick: bool) -> list[Model]:
         GEMMA_WORDS,
     )
     return [gemma_model, tiny]
+
+
+def external_model(path: Path) -> Model:
+    """A GGUF given with ``--model``, named after its file: its own chat template, and the tiny
+    model's prompts (common English words, a token or two in any vocabulary)."""
+    return Model(path.stem, path, None, "{} {} {} {}", (TINY_WORDS,) * 4, TINY_WORDS)
 
 
 @dataclass
@@ -509,6 +518,8 @@ def box_toml(path: Path, port: int, models: list[Model], slots: int, clients: in
         "[server]",
         f"port = {port}",
         f"web_threads = {max(16, clients + BUSY_CLIENTS + 4)}",
+        "[auth]",  # a loopback box of the bench alone: its clients send no key
+        "required = false",
         "[pool]",
         f"max_loaded_models = {len(models)}",
         f"max_queue_per_model = {max(64, 2 * (clients + BUSY_CLIENTS))}",
@@ -567,13 +578,19 @@ def server_version(binary: Path) -> str:
 
 
 def start_llama_server(
-    binary: Path, tmp: Path, model: Model, slots: int, threads: int, stack: contextlib.ExitStack
+    binary: Path,
+    tmp: Path,
+    model: Model,
+    slots: int,
+    threads: int,
+    stack: contextlib.ExitStack,
+    extra: tuple[str, ...] = (),
 ) -> tuple[str, int]:
     helptext = server_output(binary, "--help")
     port = free_port()
     args = [*server_env(binary), "-m", str(model.path), "--parallel", str(slots)]
     args += ["-c", str(N_CTX * slots), "--host", "127.0.0.1", "--port", str(port)]
-    args += ["-t", str(threads)]
+    args += ["-t", str(threads), *extra]
     if "--threads-batch" in helptext:
         args += ["-tb", str(threads)]
     if "--no-webui" in helptext:
@@ -593,10 +610,13 @@ def start_peer(
     slots: int,
     threads: int,
     stack: contextlib.ExitStack,
+    extra: tuple[str, ...] = (),
 ) -> Target:
     urls, pids = {}, {}
     for m in models:
-        urls[m.name], pids[m.name] = start_llama_server(binary, tmp, m, slots, threads, stack)
+        urls[m.name], pids[m.name] = start_llama_server(
+            binary, tmp, m, slots, threads, stack, extra
+        )
     return Target("llama-server", urls, pids, {"cache_prompt": True}, is_peer=True)
 
 
@@ -928,7 +948,9 @@ LEGEND = (
 
 
 def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Report:
-    models = [m for m in make_models(tmp, args.quick) if m.name in args.models]
+    models = [external_model(args.model)] if args.model else []
+    if set(args.models) - {m.name for m in models}:
+        models += [m for m in make_models(tmp, args.quick) if m.name in args.models]
     threads = len(os.sched_getaffinity(0))
     clients = max(args.clients)
     notes: list[str] = []
@@ -945,7 +967,7 @@ def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Rep
         print(f"starting llama-server --parallel {args.slots} ({binary})", flush=True)
         try:
             version = server_version(binary)
-            p = start_peer(binary, tmp, models, args.slots, threads, stack)
+            p = start_peer(binary, tmp, models, args.slots, threads, stack, args.server_args)
             warm(p, models, args.tokens)
             targets.append(p)
             peer = p.name
@@ -1003,8 +1025,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--models",
         type=lambda v: v.split(","),
-        default=["gemma", "tiny"],
-        help="comma-separated: gemma, tiny (both; --quick: tiny)",
+        help="comma-separated: gemma, tiny (both; --quick: tiny), the --model file's stem "
+        "(with --model: that one alone)",
+    )
+    ap.add_argument("--model", type=Path, help="a GGUF file to serve besides (or instead of) those")
+    ap.add_argument(
+        "--server-args",
+        type=lambda v: tuple(shlex.split(v)),
+        default=(),
+        help="more llama-server arguments, e.g. '-ngl 99' on a GPU",
     )
     ap.add_argument(
         "--single-max-clients",
@@ -1015,6 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", type=Path, help=f"its binary ({DEFAULT_LLAMA_SERVER})")
     ap.add_argument("--out", type=Path, help="markdown file whose load section is rewritten")
     args = ap.parse_args(argv)
+    if args.model and args.model.stem in ("gemma", "tiny"):
+        ap.error(f"--model: {args.model.stem!r} names a built-in model; rename the file")
+    args.models = args.models or ([args.model.stem] if args.model else ["gemma", "tiny"])
     args.clients = args.clients or list(QUICK_CLIENTS if args.quick else CLIENTS)
     args.rounds = args.rounds or (1 if args.quick else 2)
     try:
