@@ -22,6 +22,10 @@
 # device found by nvidia-smi: cuda:0, n_gpu_layers -1 = all) against llama-server -ngl 99 with
 # the same slots and context, at 1, 8, 32 and 64 clients.
 #
+# The build, with the flags below, compiled and linked on a CPU machine (CUDA 13.0's nvcc, cuBLAS
+# from its wheel, a stub libcuda): 2,160 CPU-seconds in all, the longest single file 33 s (an
+# MMQ instance), so about 2.5 to 4 minutes on 16 cores (an estimate; gpu.log will say).
+#
 # FlashAttention is off on both sides: llama-cpp-python 0.3.36 creates its context with
 # flash_attn=False (FA disabled, not llama.cpp's auto), so llama-server runs -fa off and the
 # FA kernels are not built (GGML_CUDA_FA=OFF, which also shortens the build by minutes).
@@ -151,7 +155,9 @@ cuda_args() {
       echo "no libcuda: not in the toolkit ($home) nor the driver's folders" >&2
       return 1
     fi
+    # libcuda.so.1 too: the name the linker looks for (in the RUNPATH) when it links llama-server.
     ln -sf "$so" "$SHIM/libcuda.so"
+    ln -sf "$so" "$SHIM/libcuda.so.1"
     args+=("-DCUDA_cuda_driver_LIBRARY=$SHIM/libcuda.so")
   fi
   echo "${args[*]}"
@@ -266,8 +272,17 @@ fi
 wait "$model_pid" || finish 1
 SERVER=$LIBDIR/llama-server
 export LLAMA_CPP_LIB_PATH=$LIBDIR MTMD_CPP_LIB=$LIBDIR
-# The shim's libcublas.so.13 names, for the loader, when cuBLAS came from a wheel.
-[[ -d "$SHIM" ]] && export LD_LIBRARY_PATH=$SHIM${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# For the loader: the shim's libcublas.so.13 names (cuBLAS from a wheel; the build's RUNPATH
+# names the shim too), and the toolkit's libcudart.so.13, which the RUNPATH does not name and
+# ldconfig may not know.
+if [[ "$GPU" == 1 ]]; then
+  cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")")
+  for d in "$cuda_home/targets/x86_64-linux/lib" "$cuda_home/lib" "$cuda_home/lib64" "$SHIM"; do
+    [[ -d "$d" ]] && LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  done
+  export LD_LIBRARY_PATH
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+fi
 step check check || finish 1
 # A slow build leaves less than a full run needs: the smaller client counts alone, then.
 if (($(left) < ${FULL_RUN_S:-240})) && [[ "$CLIENTS" != 1 ]]; then
