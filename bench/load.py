@@ -4,7 +4,8 @@ Three targets, all started once and kept up for the whole run (only one of them 
 time): the box (``residency up``) with ``parallel = S`` slots per model, ``llama-server
 --parallel S`` (one process per model, ``-c n_ctx*S`` so each slot has the box's ``n_ctx``, one
 thread per core of our affinity like the box), and the box with ``parallel = 1`` (what the slots
-buy). Models: Gemma 3 270M Q4_K_M (chat_format "gemma") and the tiny random model.
+buy). Models: Gemma 3 270M Q4_K_M (chat_format "gemma") and the tiny random model, or a GGUF
+given with ``--model`` (served with its own chat template; prompted with the tiny model's words).
 
 1. Load: for each model and client count C, C threads each send ``--requests`` streamed chat
    requests one after the other (``requests``, ``stream=True``, temperature 0, repeat_penalty
@@ -40,6 +41,7 @@ one); ``--quick`` runs the tiny model only, 1 and 8 clients, one round.
         [--slots 8] [--rounds 2]
         [--requests 8] [--tokens 64] [--models gemma,tiny] [--llama-server PATH]
         [--out docs/benchmarks.md]
+        [--model PATH] [--server-args "-ngl 99"]
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -168,6 +171,12 @@ def make_models(tmp: Path, quick: bool) -> list[Model]:
         GEMMA_WORDS,
     )
     return [gemma_model, tiny]
+
+
+def external_model(path: Path) -> Model:
+    """A GGUF given with ``--model``, named after its file: its own chat template, and the tiny
+    model's prompts (common English words, a token or two in any vocabulary)."""
+    return Model(path.stem, path, None, "{} {} {} {}", (TINY_WORDS,) * 4, TINY_WORDS)
 
 
 @dataclass
@@ -534,16 +543,24 @@ def measure_conversations(
 # --- the servers -------------------------------------------------------------------------------
 
 
-def box_toml(path: Path, port: int, models: list[Model], slots: int, clients: int) -> Path:
+def box_toml(
+    path: Path,
+    port: int,
+    models: list[Model],
+    slots: int,
+    clients: int,
+    flash_attn: str | None = None,
+) -> Path:
     """Both models resident; enough web threads that one gunicorn worker alone can hold every
     stream of the run, and a queue that never refuses one of its clients. No API keys: on
-    loopback, and llama-server is asked without any either."""
+    loopback, and llama-server is asked without any either. ``flash_attn``: every model's
+    (None: the box's default, llama.cpp's auto, as llama-server's)."""
     q = json.dumps  # a JSON string is a TOML string too
     lines = [
         "[server]",
         f"port = {port}",
         f"web_threads = {max(16, clients + BUSY_CLIENTS + 4)}",
-        "[auth]",
+        "[auth]",  # a loopback box of the bench alone: its clients send no key
         "required = false",
         "[pool]",
         f"max_loaded_models = {len(models)}",
@@ -554,17 +571,25 @@ def box_toml(path: Path, port: int, models: list[Model], slots: int, clients: in
         if m.chat_format:
             lines.append(f"chat_format = {q(m.chat_format)}")
         lines.append(f"parallel = {slots}")  # always: unset means the device's default
+        if flash_attn is not None:
+            lines.append(f"flash_attn = {q(flash_attn)}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def start_box(
-    name: str, tmp: Path, models: list[Model], slots: int, clients: int, stack: contextlib.ExitStack
+    name: str,
+    tmp: Path,
+    models: list[Model],
+    slots: int,
+    clients: int,
+    stack: contextlib.ExitStack,
+    flash_attn: str | None = None,
 ) -> Target:
     d = tmp / f"box-{slots}"
     d.mkdir()
     port = free_port()
-    cfg = box_toml(d / "box.toml", port, models, slots, clients)
+    cfg = box_toml(d / "box.toml", port, models, slots, clients, flash_attn)
     proc = up_box(cfg, d / "data", d / "residency.log", stack)
     url = f"http://127.0.0.1:{port}"
     key = (d / "data" / "admin.key").read_text().strip()
@@ -603,13 +628,19 @@ def server_version(binary: Path) -> str:
 
 
 def start_llama_server(
-    binary: Path, tmp: Path, model: Model, slots: int, threads: int, stack: contextlib.ExitStack
+    binary: Path,
+    tmp: Path,
+    model: Model,
+    slots: int,
+    threads: int,
+    stack: contextlib.ExitStack,
+    extra: tuple[str, ...] = (),
 ) -> tuple[str, int]:
     helptext = server_output(binary, "--help")
     port = free_port()
     args = [*server_env(binary), "-m", str(model.path), "--parallel", str(slots)]
     args += ["-c", str(N_CTX * slots), "--host", "127.0.0.1", "--port", str(port)]
-    args += ["-t", str(threads)]
+    args += ["-t", str(threads), *extra]
     if "--threads-batch" in helptext:
         args += ["-tb", str(threads)]
     if "--no-webui" in helptext:
@@ -629,10 +660,13 @@ def start_peer(
     slots: int,
     threads: int,
     stack: contextlib.ExitStack,
+    extra: tuple[str, ...] = (),
 ) -> Target:
     urls, pids = {}, {}
     for m in models:
-        urls[m.name], pids[m.name] = start_llama_server(binary, tmp, m, slots, threads, stack)
+        urls[m.name], pids[m.name] = start_llama_server(
+            binary, tmp, m, slots, threads, stack, extra
+        )
     return Target("llama-server", urls, pids, {"cache_prompt": True}, is_peer=True)
 
 
@@ -1060,13 +1094,15 @@ CPU_LEGEND = (
 
 
 def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Report:
-    models = [m for m in make_models(tmp, args.quick) if m.name in args.models]
+    models = [external_model(args.model)] if args.model else []
+    if set(args.models) - {m.name for m in models}:
+        models += [m for m in make_models(tmp, args.quick) if m.name in args.models]
     threads = len(os.sched_getaffinity(0))
     clients = max(args.clients)
     notes: list[str] = []
     box = f"box parallel={args.slots}"
     print(f"starting {box}", flush=True)
-    targets = [start_box(box, tmp, models, args.slots, clients, stack)]
+    targets = [start_box(box, tmp, models, args.slots, clients, stack, args.flash_attn)]
     peer: str | None = None
     binary, why = find_llama_server(args.llama_server)
     version = ""
@@ -1077,7 +1113,7 @@ def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Rep
         print(f"starting llama-server --parallel {args.slots} ({binary})", flush=True)
         try:
             version = server_version(binary)
-            p = start_peer(binary, tmp, models, args.slots, threads, stack)
+            p = start_peer(binary, tmp, models, args.slots, threads, stack, args.server_args)
             warm(p, models, args.tokens)
             targets.append(p)
             peer = p.name
@@ -1086,7 +1122,7 @@ def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> Rep
             notes.append(f"- llama-server: not run: {str(e).splitlines()[0]}")
     if args.slots != 1:
         print("starting box parallel=1", flush=True)
-        targets.append(start_box("box parallel=1", tmp, models, 1, clients, stack))
+        targets.append(start_box("box parallel=1", tmp, models, 1, clients, stack, args.flash_attn))
     for t in targets:
         if not t.is_peer:
             warm(t, models, args.tokens)
@@ -1146,8 +1182,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--models",
         type=lambda v: v.split(","),
-        default=["gemma", "tiny"],
-        help="comma-separated: gemma, tiny (both; --quick: tiny)",
+        help="comma-separated: gemma, tiny (both; --quick: tiny), the --model file's stem "
+        "(with --model: that one alone)",
+    )
+    ap.add_argument("--model", type=Path, help="a GGUF file to serve besides (or instead of) those")
+    ap.add_argument(
+        "--server-args",
+        type=lambda v: tuple(shlex.split(v)),
+        default=(),
+        help="more llama-server arguments, e.g. '-ngl 99' on a GPU",
+    )
+    ap.add_argument(
+        "--flash-attn",
+        choices=("auto", "on", "off"),
+        help="flash attention on both sides: the box's models' flash_attn and llama-server's "
+        "-fa (unset: each one's default, auto)",
     )
     ap.add_argument(
         "--single-max-clients",
@@ -1158,6 +1207,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", type=Path, help=f"its binary ({DEFAULT_LLAMA_SERVER})")
     ap.add_argument("--out", type=Path, help="markdown file whose load section is rewritten")
     args = ap.parse_args(argv)
+    if args.flash_attn:
+        args.server_args = (*args.server_args, "-fa", args.flash_attn)
+    if args.model and args.model.stem in ("gemma", "tiny"):
+        ap.error(f"--model: {args.model.stem!r} names a built-in model; rename the file")
+    args.models = args.models or ([args.model.stem] if args.model else ["gemma", "tiny"])
     args.clients = args.clients or list(QUICK_CLIENTS if args.quick else CLIENTS)
     args.rounds = args.rounds or (1 if args.quick else 2)
     try:

@@ -301,11 +301,24 @@ def cmd_tokens(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from residency.tinymodel import write_tiny_model
+    import dataclasses
 
-    p = write_tiny_model(
-        args.out, seed=args.seed, dtype=args.dtype, embedding=args.embedding, rerank=args.rerank
-    )
+    from residency.tinymodel import TINY, write_tiny_model
+
+    sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TINY)}
+    try:
+        shape = dataclasses.replace(TINY, **{k: v for k, v in sizes.items() if v is not None})
+        p = write_tiny_model(
+            args.out,
+            seed=args.seed,
+            dtype=args.dtype,
+            embedding=args.embedding,
+            rerank=args.rerank,
+            shape=shape,
+        )
+    except ValueError as e:
+        print(f"tiny-model: {e}", file=sys.stderr)
+        return 2
     print(p)
     return 0
 
@@ -394,7 +407,17 @@ def parser() -> argparse.ArgumentParser:
     tm = sub.add_parser("tiny-model", help="write a tiny seeded-random llama GGUF")
     tm.add_argument("out", type=Path)
     tm.add_argument("--seed", type=int, default=0)
-    tm.add_argument("--dtype", choices=["f32", "q8_0"], default="f32")
+    tm.add_argument("--dtype", choices=["f32", "f16", "q8_0"], default="f32")
+    # Larger shapes are for benchmarks (bench/gpu.sh: Llama 3.2 1B's shape, random weights).
+    for size, what in (
+        ("n-layer", "layers (2)"),
+        ("n-embd", "embedding width (64)"),
+        ("n-head", "attention heads (4)"),
+        ("n-head-kv", "KV heads (2)"),
+        ("n-ff", "feed-forward width (128)"),
+        ("n-vocab", "vocabulary, padded up to this many tokens (natural: ~400)"),
+    ):
+        tm.add_argument(f"--{size}", type=int, help=what)
     kind = tm.add_mutually_exclusive_group()
     kind.add_argument("--embedding", action="store_true")
     kind.add_argument("--rerank", action="store_true", help="a reranker (rank pooling)")

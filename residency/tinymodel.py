@@ -20,7 +20,12 @@ sequences, and llama-cpp-python then keeps generating past ``max_tokens``
 stream and the model doesn't simply repeat its last token.
 
 The file is fully determined by its arguments: the same ``seed``, ``dtype``,
-``embedding`` and ``rerank`` produce a byte-identical file.
+``embedding``, ``rerank`` and ``shape`` produce a byte-identical file.
+
+``shape`` sizes the model up for benchmarks (``bench/gpu.sh`` writes one of about 1B parameters
+in Llama 3.2 1B's shape): more layers, wider ones, and a vocabulary padded to ``n_vocab`` with
+NORMAL pieces ``"▁w<hex>"`` (each one's prefixes are pieces too, so SentencePiece's merging
+reaches it). The default is the tiny shape above.
 
 ``rerank=True`` writes a reranker instead, in the shape llama.cpp's rank pooling
 accepts from a causal decoder: the ``qwen3`` architecture (the llama layout
@@ -41,13 +46,14 @@ import math
 import os
 import pathlib
 import threading
+from dataclasses import dataclass
 from typing import Final, Literal
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CHATML_TEMPLATE", "write_tiny_model"]
+__all__ = ["CHATML_TEMPLATE", "TINY", "Shape", "write_tiny_model"]
 
 ARCH: Final = "llama"
 RERANK_ARCH: Final = "qwen3"
@@ -72,6 +78,44 @@ EMBD_SCALE_OTHER: Final = 0.02  # token_embd rows of byte / control / unknown to
 
 SPACE: Final = "\u2581"  # SentencePiece's "▁" word-boundary marker
 
+Dtype = Literal["f32", "f16", "q8_0"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's sizes; ``n_vocab`` None: the natural vocabulary (~400 tokens), else padded to
+    that many tokens (at least the natural count)."""
+
+    n_layer: int = N_LAYER
+    n_embd: int = N_EMBD
+    n_head: int = N_HEAD
+    n_head_kv: int = N_HEAD_KV
+    n_ff: int = N_FF
+    n_vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head}), and "
+                f"n_head of n_head_kv ({self.n_head_kv})"
+            )
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"n_embd / n_head must be even (RoPE), got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim * self.n_head_kv
+
+
+TINY: Final = Shape()
+
 UNK_ID: Final = 0
 BOS_ID: Final = 1
 EOS_ID: Final = 2
@@ -94,8 +138,9 @@ _WORDS: Final = (
 )  # fmt: skip
 
 
-def _vocab() -> tuple[list[str], list[float], list[int]]:
-    """Return (tokens, scores, token types) of the ~400-token SPM vocab."""
+def _vocab(n_vocab: int | None = None) -> tuple[list[str], list[float], list[int]]:
+    """Return (tokens, scores, token types) of the ~400-token SPM vocab, padded to ``n_vocab``
+    tokens when given."""
     tokens: list[str] = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     types: list[int] = [
         gguf.TokenType.UNKNOWN,
@@ -120,6 +165,13 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     # Printable ASCII except the space itself (spaces become "▁").
     normal.extend(chr(c) for c in range(0x21, 0x7F))
 
+    if n_vocab is not None:
+        natural = len(tokens) + len(normal)
+        if n_vocab < natural:
+            raise ValueError(f"n_vocab must be at least {natural}, got {n_vocab}")
+        # "▁w<hex>": each one's prefixes come earlier (the hex of i // 16), so merging reaches it.
+        normal.extend(f"{SPACE}w{i:x}" for i in range(n_vocab - natural))
+
     for rank, piece in enumerate(normal):
         tokens.append(piece)
         types.append(gguf.TokenType.NORMAL)
@@ -128,31 +180,38 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+_FILE_TYPES: Final = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+
+
 def _add_metadata(
     writer: gguf.GGUFWriter,
     *,
     tokens: list[str],
     scores: list[float],
     types: list[int],
-    dtype: Literal["f32", "q8_0"],
+    dtype: Dtype,
     embedding: bool,
     rerank: bool = False,
     chat_template: str | None = CHATML_TEMPLATE,
+    shape: Shape = TINY,
 ) -> None:
-    q8 = dtype == "q8_0"
     writer.add_name(MODEL_NAME)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(_FILE_TYPES[dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     writer.add_vocab_size(len(tokens))
     writer.add_context_length(CONTEXT_LENGTH)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
     writer.add_layer_norm_rms_eps(RMS_EPS)
-    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
     if embedding:
         writer.add_pooling_type(gguf.PoolingType.MEAN)
@@ -185,10 +244,10 @@ def _add_tensors(
     rng: np.random.Generator,
     *,
     types: list[int],
-    dtype: Literal["f32", "q8_0"],
+    dtype: Dtype,
     rerank: bool = False,
+    shape: Shape = TINY,
 ) -> None:
-    qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.F32
 
     def matrix(
         name: str, rows: int, cols: int, scale: float | npt.NDArray[np.float32] | None = None
@@ -197,50 +256,56 @@ def _add_tensors(
             scale = LAYER_SCALE / math.sqrt(cols)
         data = rng.standard_normal((rows, cols), dtype=np.float32)
         data = (data * np.asarray(scale, dtype=np.float32)).astype(np.float32)
-        if qtype == gguf.GGMLQuantizationType.F32:
+        if dtype == "f32":
             writer.add_tensor(name, data)
+        elif dtype == "f16":
+            writer.add_tensor(name, data.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
 
     def norm(name: str) -> None:
-        writer.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
 
     # numpy shapes are (out, in); output.weight is omitted (tied to token_embd).
     normal = np.asarray(types) == gguf.TokenType.NORMAL
     row_scale = np.where(normal, EMBD_SCALE_NORMAL, EMBD_SCALE_OTHER).astype(np.float32)
-    matrix("token_embd.weight", len(types), N_EMBD, row_scale[:, None])
-    for i in range(N_LAYER):
+    embd, kv, ff, hd = shape.n_embd, shape.kv_dim, shape.n_ff, shape.head_dim
+    matrix("token_embd.weight", len(types), embd, row_scale[:, None])
+    for i in range(shape.n_layer):
         norm(f"blk.{i}.attn_norm.weight")
-        matrix(f"blk.{i}.attn_q.weight", N_EMBD, N_EMBD)
-        matrix(f"blk.{i}.attn_k.weight", N_KV_DIM, N_EMBD)
-        matrix(f"blk.{i}.attn_v.weight", N_KV_DIM, N_EMBD)
-        matrix(f"blk.{i}.attn_output.weight", N_EMBD, N_EMBD)
+        matrix(f"blk.{i}.attn_q.weight", embd, embd)
+        matrix(f"blk.{i}.attn_k.weight", kv, embd)
+        matrix(f"blk.{i}.attn_v.weight", kv, embd)
+        matrix(f"blk.{i}.attn_output.weight", embd, embd)
         norm(f"blk.{i}.ffn_norm.weight")
-        matrix(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
-        matrix(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
-        matrix(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
+        matrix(f"blk.{i}.ffn_gate.weight", ff, embd)
+        matrix(f"blk.{i}.ffn_up.weight", ff, embd)
+        matrix(f"blk.{i}.ffn_down.weight", embd, ff)
     norm("output_norm.weight")
     if rerank:
-        for i in range(N_LAYER):
-            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(HEAD_DIM, dtype=np.float32))
-            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(HEAD_DIM, dtype=np.float32))
-        matrix("cls.output.weight", len(RERANK_LABELS), N_EMBD, CLS_SCALE)
+        for i in range(shape.n_layer):
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(hd, dtype=np.float32))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(hd, dtype=np.float32))
+        matrix("cls.output.weight", len(RERANK_LABELS), embd, CLS_SCALE)
 
 
 def write_tiny_model(
     path: str | os.PathLike[str],
     *,
     seed: int = 0,
-    dtype: Literal["f32", "q8_0"] = "f32",
+    dtype: Dtype = "f32",
     embedding: bool = False,
     rerank: bool = False,
     chat_template: str | None = CHATML_TEMPLATE,
+    shape: Shape = TINY,
 ) -> pathlib.Path:
     """Write a tiny random llama GGUF model to ``path`` and return the path.
 
     ``dtype`` selects the storage of the 2-D weight matrices (norms are always
-    F32). ``embedding=True`` adds ``llama.pooling_type = MEAN`` so that
-    llama.cpp returns one vector of length 64 per input when the model is
+    F32); ``shape`` sizes the model (see the module docstring). ``embedding=True``
+    adds ``llama.pooling_type = MEAN`` so that llama.cpp returns one vector of
+    length ``n_embd`` (64) per input when the model is
     loaded with embeddings enabled (without it, llama-cpp-python returns one
     vector per token). ``rerank=True`` writes a reranker (see the module
     docstring) for llama.cpp's rank pooling. ``chat_template`` replaces the
@@ -249,8 +314,8 @@ def write_tiny_model(
     ``path``, so concurrent writers never expose a partial file. Missing parent
     directories are created.
     """
-    if dtype not in ("f32", "q8_0"):
-        msg = f"unsupported dtype {dtype!r}; expected 'f32' or 'q8_0'"
+    if dtype not in _FILE_TYPES:
+        msg = f"unsupported dtype {dtype!r}; expected 'f32', 'f16' or 'q8_0'"
         raise ValueError(msg)
     if embedding and rerank:
         raise ValueError("a tiny model is an embedding model or a reranker, not both")
@@ -258,7 +323,7 @@ def write_tiny_model(
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    tokens, scores, types = _vocab()
+    tokens, scores, types = _vocab(shape.n_vocab)
 
     writer = gguf.GGUFWriter(tmp, RERANK_ARCH if rerank else ARCH)
     try:
@@ -271,8 +336,16 @@ def write_tiny_model(
             embedding=embedding,
             rerank=rerank,
             chat_template=chat_template,
+            shape=shape,
         )
-        _add_tensors(writer, np.random.default_rng(seed), types=types, dtype=dtype, rerank=rerank)
+        _add_tensors(
+            writer,
+            np.random.default_rng(seed),
+            types=types,
+            dtype=dtype,
+            rerank=rerank,
+            shape=shape,
+        )
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

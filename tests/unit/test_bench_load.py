@@ -1,6 +1,8 @@
 """bench/load.py's CPU column and bench/cputime.py: a /proc stat line read, CPU over a window
 from two snapshots (processes present at one only included), CPU per token by role, and the
-target lines."""
+target lines; and the bench's box and its --model: the config it writes is one the box accepts
+and serves without keys (its clients send none), and an external GGUF is served under its
+file's name."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from pytest import approx
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -16,6 +19,8 @@ sys.path.insert(0, str(BENCH))  # the bench scripts import each other as top-lev
 
 import cputime  # noqa: E402
 import load  # noqa: E402
+
+from residency import settings  # noqa: E402
 
 TICK = cputime.TICK_S
 
@@ -159,3 +164,21 @@ def test_the_targets_print_each_miss_with_its_figure() -> None:
         ]
     assert lines[12] == "- tiny, 64 clients, box errors: 0 of 16 (target 0: met)"
     assert len(lines) == 13
+
+
+def test_the_bench_box_needs_no_key_and_serves_the_given_model(tmp_path: Path) -> None:
+    model = load.external_model(tmp_path / "bench-1b.gguf")
+    assert model.name == "bench-1b" and model.chat_format is None
+    cfg = load.box_toml(tmp_path / "box.toml", 8123, [model], slots=32, clients=64)
+    s = settings.build(settings.read_file(cfg))
+    assert s.auth.required is False
+    assert s.server.port == 8123
+    spec = s.models["bench-1b"]
+    assert spec.path == str(tmp_path / "bench-1b.gguf")
+    assert spec.parallel == 32 and spec.n_ctx == load.N_CTX
+    assert s.server.web_threads >= 64  # every client's stream held at once
+
+
+def test_a_model_file_named_like_a_builtin_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        load.main(["--model", str(tmp_path / "tiny.gguf")])

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,28 @@ def test_image_has_a_cpu_and_a_cuda_target_without_compilers() -> None:
     assert "PYTHON=/usr/local/bin/python3.11" in " ".join(ops(stages["cpu-builder"], "RUN"))
     assert "PYTHON=/usr/bin/python3.11" in " ".join(ops(stages["cuda-builder"], "RUN"))
     assert " python3.11 " in " ".join(ops(stages["cuda"], "RUN")) + " "
+
+
+def install_extras(stage: dict[str, Any]) -> list[str]:
+    """The extras a builder stage hands scripts/install.sh (its arguments)."""
+    run = next(r for r in ops(stage, "RUN") if "scripts/install.sh" in r)
+    return run.split("scripts/install.sh", 1)[1].split()
+
+
+def test_the_cuda_image_installs_the_nvml_binding() -> None:
+    # workers/devices.py (a GPU's total: its byte budget) and workers/memory.py (a model's
+    # measured footprint) read GPU memory through pynvml; without it neither is known.
+    for module in ("devices", "memory"):
+        assert "import pynvml" in (ROOT / "workers" / f"{module}.py").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(re.match(r"nvidia-ml-py\b", req) for req in extras["cuda"])
+    stages = dockerfile_stages()
+    assert "cuda" in install_extras(stages["cuda-builder"])
+    # Always, whatever EXTRAS a build passes; and the CPU image has no GPU to read.
+    assert install_extras(stages["cuda-builder"])[0] == "cuda"
+    assert "cuda" not in install_extras(stages["cpu-builder"])
 
 
 # --- Compose -----------------------------------------------------------------------------------

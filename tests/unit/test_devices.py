@@ -1,10 +1,13 @@
-"""Device discovery and pinning (the GPU paths are exercised with canned nvidia-smi output)."""
+"""Device discovery and pinning (the GPU paths are exercised with canned nvidia-smi output, and
+NVML's real binding where it is installed)."""
 
 from __future__ import annotations
 
 import os
 
-from workers import devices
+import pytest
+
+from workers import devices, memory
 
 
 def test_parse_nvidia_smi() -> None:
@@ -43,3 +46,20 @@ def test_default_threads_are_one_per_core_of_the_affinity() -> None:
     assert default_threads({5}) == 1
     assert default_threads(set()) == 1
     assert default_threads() == len(os.sched_getaffinity(0))
+
+
+def test_a_gpu_nvml_cannot_read_has_no_total_and_no_measured_footprint() -> None:
+    # The real binding (the CUDA image's "cuda" extra) on a host whose NVML fails: no driver
+    # library here. Each failure reads as "unknown", never as an error of the agent or the load.
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("NVML works on this host")
+    totals = devices.device_totals(["cuda:0", "cpu"])
+    assert totals == {"cuda:0": None, "cpu": devices.memory_total()}
+    assert memory.measured("cuda:0") is None
+    assert memory.measured("cuda:0", pid=1) is None
