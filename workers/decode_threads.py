@@ -14,9 +14,10 @@ count, a moving average of the step's wall time per token, and picks the count t
 cheapest. The other count is tried again from time to time to see whether the box got quieter
 or busier: after ``explore_every`` steps of that size, times how much worse it was last seen,
 so a count that costs ten times more is retried ten times less often (but at least every
-``EXPLORE_EVERY x MAX_BACKOFF`` steps) and exploration costs a few percent of the decode time
-at most. Each count is measured twice before either is preferred: a size's first step pays for
-what a first decode touches.
+``EXPLORE_EVERY x MAX_BACKOFF`` steps) and retrying costs about 3% of the decode time at most.
+Each count is measured twice before either is preferred (a size's first step pays for what a
+first decode touches), and the step right after the count changed is not measured: it pays for
+the change (llama.cpp's threads regroup), so a retry is two steps, the second one timed.
 
 Candidates: all the threads the model may use, and one fewer (a core left to the path each
 token travels). A model whose ``n_threads`` is set in its config gets exactly that: no
@@ -28,14 +29,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EWMA = 0.25  # weight of the newest step in a count's moving average
-EXPLORE_EVERY = 32  # steps of one size before the count not chosen is tried again (at best)
-# A count is retried at least every EXPLORE_EVERY x this many steps: one unlucky measure (the
-# box busy for a moment) keeps the better count unused for at most that long, and retrying a
-# count ten times dearer costs 10 / (EXPLORE_EVERY x MAX_BACKOFF), about 4% of the decode time.
-MAX_BACKOFF = 8
+EXPLORE_EVERY = 64  # steps of one size before the count not chosen is tried again (at best)
+# A count r times dearer is retried every EXPLORE_EVERY x r steps, at least every EXPLORE_EVERY
+# x MAX_BACKOFF: a retry (PROBE_STEPS steps) then costs PROBE_STEPS x (r - 1) / (EXPLORE_EVERY
+# x r), under 3.2% of the decode time for r up to MAX_BACKOFF, and one unlucky measure (the box
+# busy for a moment) keeps the better count unused for EXPLORE_EVERY x r steps.
+MAX_BACKOFF = 32
 # Each count is measured this many times before one is preferred, the first measure replaced
 # by the next (a size's first step pays for what a first decode touches).
 FIRST_MEASURES = 2
+# The first step after the count changed is slower (llama.cpp's thread team changes size: on
+# Gemma 3 270M, 19 ms against 13 ms steady for two threads): it is not measured. So a retry is
+# this many steps in a row, the last one measured.
+PROBE_STEPS = 2
+# A count never used twice in a row (steps of two sizes alternating, each preferring another
+# count) is measured from its steps right after a change, after this many of them.
+SWITCHED_ENOUGH = 8
 
 
 def candidates(threads: int) -> tuple[int, ...]:
@@ -49,8 +58,18 @@ class _Size:
 
     cost: dict[int, float] = field(default_factory=dict)  # threads -> seconds per token
     tried: dict[int, int] = field(default_factory=dict)  # threads -> step number when last used
-    measured: dict[int, int] = field(default_factory=dict)  # threads -> steps timed
+    measured: dict[int, int] = field(default_factory=dict)  # threads -> steps whose time counted
+    switched: dict[int, int] = field(default_factory=dict)  # threads -> steps right after a change
+    steady: dict[int, int] = field(default_factory=dict)  # threads -> steps with the same count
     steps: int = 0
+    probe: int = 0  # a count being retried (0: none), for ``probe_left`` more steps
+    probe_left: int = 0
+
+    def known(self, threads: int) -> bool:
+        return (
+            self.measured.get(threads, 0) >= FIRST_MEASURES
+            or self.switched.get(threads, 0) >= SWITCHED_ENOUGH
+        ) and threads in self.cost
 
 
 class Chooser:
@@ -58,7 +77,7 @@ class Chooser:
         self.options = candidates(threads)
         self.explore_every = explore_every
         self._sizes: dict[int, _Size] = {}
-        self.explored = 0  # steps decoded with a count other than the cheapest known, to learn
+        self.explored = 0  # retries of a count other than the cheapest known, to learn
 
     @staticmethod
     def size(n_tokens: int) -> int:
@@ -68,8 +87,11 @@ class Chooser:
         """The thread count for the next step of ``n_tokens`` tokens."""
         s = self._sizes.setdefault(self.size(n_tokens), _Size())
         s.steps += 1
+        if s.probe_left > 0:
+            s.probe_left -= 1
+            return self._use(s, s.probe)
         for t in self.options:  # each count is measured before any is preferred
-            if s.measured.get(t, 0) < FIRST_MEASURES:
+            if not s.known(t):
                 return self._use(s, t)
         best = min(self.options, key=lambda t: s.cost[t])
         for t in self.options:
@@ -78,6 +100,7 @@ class Chooser:
             worse = min(MAX_BACKOFF, max(1.0, s.cost[t] / s.cost[best]))
             if s.steps - s.tried.get(t, 0) >= self.explore_every * worse:
                 self.explored += 1
+                s.probe, s.probe_left = t, PROBE_STEPS - 1
                 return self._use(s, t)
         return self._use(s, best)
 
@@ -86,9 +109,16 @@ class Chooser:
         s.tried[threads] = s.steps
         return threads
 
-    def observe(self, n_tokens: int, threads: int, seconds: float) -> None:
-        """A step of ``n_tokens`` decoded with ``threads`` threads took ``seconds``."""
+    def observe(self, n_tokens: int, threads: int, seconds: float, switched: bool = False) -> None:
+        """A step of ``n_tokens`` decoded with ``threads`` threads took ``seconds``;
+        ``switched``: the step before it used another count."""
         s = self._sizes.setdefault(self.size(n_tokens), _Size())
+        if switched:
+            n = s.switched[threads] = s.switched.get(threads, 0) + 1
+            if s.steady.get(threads, 0) or (threads in s.cost and n < SWITCHED_ENOUGH):
+                return  # the change's own cost, not the count's
+        else:
+            s.steady[threads] = s.steady.get(threads, 0) + 1
         per_token = seconds / max(1, n_tokens)
         seen = s.measured.get(threads, 0)
         s.measured[threads] = seen + 1
@@ -101,6 +131,6 @@ class Chooser:
     def preferred(self, n_tokens: int) -> int | None:
         """The count cheapest so far for steps of this size (None: not measured yet)."""
         s = self._sizes.get(self.size(n_tokens))
-        if s is None or any(s.measured.get(t, 0) < FIRST_MEASURES for t in self.options):
+        if s is None or not all(s.known(t) for t in self.options):
             return None
         return min(self.options, key=lambda t: s.cost[t])

@@ -408,12 +408,13 @@ class Engine:
         if chooser is None:
             return self._b.decode()
         threads = chooser.choose(n_tokens)
-        if threads != self._threads_now:
+        switched = threads != self._threads_now
+        if switched:
             cast(Threaded, self._b).set_threads(threads)
             self._threads_now = threads
         t0 = self._clock()
         rc = self._b.decode()
-        chooser.observe(n_tokens, threads, self._clock() - t0)
+        chooser.observe(n_tokens, threads, self._clock() - t0, switched)
         return rc
 
     def _sampled(self, s: Slot, idx: int) -> None:
