@@ -15,9 +15,12 @@ cheapest. The other count is tried again from time to time to see whether the bo
 or busier: after ``explore_every`` steps of that size, times how much worse it was last seen,
 so a count that costs ten times more is retried ten times less often (but at least every
 ``EXPLORE_EVERY x MAX_BACKOFF`` steps) and retrying costs about 3% of the decode time at most.
-Each count is measured twice before either is preferred (a size's first step pays for what a
-first decode touches), and the step right after the count changed is not measured: it pays for
-the change (llama.cpp's threads regroup), so a retry is two steps, the second one timed.
+A size seen for the first time starts with the count preferred at the nearest size measured
+(all the threads at first), measured twice (the first measure replaced: a size's first step
+pays for what a first decode touches); the other count is first tried after EXPLORE_EVERY steps
+of it, so a size seldom seen, such as a step with a prompt chunk, is not made to try every
+count. The step right after the count changed is not measured: it pays for the change
+(llama.cpp's threads regroup), so a retry is two steps, the second one timed.
 
 Candidates: all the threads the model may use, and one fewer (a core left to the path each
 token travels). A model whose ``n_threads`` is set in its config gets exactly that: no
@@ -85,24 +88,35 @@ class Chooser:
 
     def choose(self, n_tokens: int) -> int:
         """The thread count for the next step of ``n_tokens`` tokens."""
-        s = self._sizes.setdefault(self.size(n_tokens), _Size())
+        size = self.size(n_tokens)
+        s = self._sizes.setdefault(size, _Size())
         s.steps += 1
         if s.probe_left > 0:
             s.probe_left -= 1
             return self._use(s, s.probe)
-        for t in self.options:  # each count is measured before any is preferred
-            if not s.known(t):
-                return self._use(s, t)
-        best = min(self.options, key=lambda t: s.cost[t])
+        known = [t for t in self.options if s.known(t)]
+        if not known:  # a size not seen yet starts where the nearest known size is
+            return self._use(s, self._prior(size))
+        best = min(known, key=lambda t: s.cost[t])
         for t in self.options:
             if t == best:
                 continue
-            worse = min(MAX_BACKOFF, max(1.0, s.cost[t] / s.cost[best]))
+            # A count not measured at this size yet is first tried after EXPLORE_EVERY steps:
+            # a size seldom seen (a prompt chunk) is not made to try every count at once.
+            worse = min(MAX_BACKOFF, max(1.0, s.cost[t] / s.cost[best])) if t in known else 1.0
             if s.steps - s.tried.get(t, 0) >= self.explore_every * worse:
                 self.explored += 1
                 s.probe, s.probe_left = t, PROBE_STEPS - 1
                 return self._use(s, t)
         return self._use(s, best)
+
+    def _prior(self, size: int) -> int:
+        """The count preferred at the nearest size with a measure (all threads: none)."""
+        near = [k for k, s in self._sizes.items() if any(s.known(t) for t in self.options)]
+        if not near:
+            return self.options[0]
+        s = self._sizes[min(near, key=lambda k: (abs(k - size), k))]
+        return min((t for t in self.options if s.known(t)), key=lambda t: s.cost[t])
 
     @staticmethod
     def _use(s: _Size, threads: int) -> int:
@@ -129,8 +143,15 @@ class Chooser:
             s.cost[threads] = prev + EWMA * (per_token - prev)
 
     def preferred(self, n_tokens: int) -> int | None:
-        """The count cheapest so far for steps of this size (None: not measured yet)."""
+        """The count cheapest so far among those measured for steps of this size (None: none
+        measured yet)."""
         s = self._sizes.get(self.size(n_tokens))
-        if s is None or not all(s.known(t) for t in self.options):
+        known = [t for t in self.options if s is not None and s.known(t)]
+        if s is None or not known:
             return None
-        return min(self.options, key=lambda t: s.cost[t])
+        return min(known, key=lambda t: s.cost[t])
+
+    def measured(self, n_tokens: int) -> tuple[int, ...]:
+        """The counts measured for steps of this size."""
+        s = self._sizes.get(self.size(n_tokens))
+        return tuple(t for t in self.options if s is not None and s.known(t))

@@ -28,13 +28,24 @@ def test_candidates_are_all_threads_and_one_fewer() -> None:
     assert candidates(16) == (16, 15)
 
 
-def test_each_count_is_measured_then_the_cheaper_one_is_used() -> None:
+def test_all_threads_first_then_the_other_count_tried_and_the_cheaper_one_kept() -> None:
     c = Chooser(2)
-    used = run(c, {2: 1.0, 1: 3.0}, 200)
-    assert used[:4] == [2, 2, 1, 1]  # both measured (twice) first
-    assert c.preferred(8) == 2
-    retries = 200 // (decode_threads.EXPLORE_EVERY * 3) + 1
-    assert used.count(1) <= 2 + retries * decode_threads.PROBE_STEPS
+    used = run(c, {2: 1.0, 1: 3.0}, 400)
+    every = decode_threads.EXPLORE_EVERY
+    assert used[: every - 1] == [2] * (every - 1)  # a new box starts with all its threads
+    assert used.index(1) == every - 1  # the other count first tried after EXPLORE_EVERY steps
+    assert c.measured(8) == (2, 1) and c.preferred(8) == 2
+    retries = 400 // (every * 3) + 2
+    assert used.count(1) <= retries * decode_threads.PROBE_STEPS
+
+
+def test_a_new_size_starts_with_the_count_the_nearest_size_prefers() -> None:
+    """On a box where one thread is cheaper, a size seen for the first time (a step with a
+    prompt chunk) starts with one thread, not with every count in turn."""
+    c = Chooser(2)
+    run(c, {2: 5.0, 1: 1.0}, 500, n_tokens=8)
+    assert c.preferred(8) == 1
+    assert c.choose(300) == 1
 
 
 def test_a_slow_first_step_does_not_condemn_a_count() -> None:
