@@ -39,6 +39,17 @@ def test_all_threads_first_then_the_other_count_tried_and_the_cheaper_one_kept()
     assert used.count(1) <= retries * decode_threads.PROBE_STEPS
 
 
+def test_fewer_threads_must_be_clearly_cheaper_to_be_preferred() -> None:
+    """Inside the box two threads carry the other roles' wake-ups in their measured time: one
+    thread is preferred only when it is MARGIN cheaper, not for a few percent."""
+    a = Chooser(2)
+    run(a, {2: 1.0, 1: 0.95}, 300)
+    assert a.preferred(8) == 2
+    b = Chooser(2)
+    run(b, {2: 1.0, 1: 0.7}, 300)
+    assert b.preferred(8) == 1
+
+
 def test_a_new_size_starts_with_the_count_the_nearest_size_prefers() -> None:
     """On a box where one thread is cheaper, a size seen for the first time (a step with a
     prompt chunk) starts with one thread, not with every count in turn."""
