@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import replace
 from typing import Any, cast
 
@@ -42,17 +42,23 @@ def fail_queued(
     limit: int = 100_000,
     *,
     lease: str | None = None,
+    on_answered: Callable[[str], None] | None = None,
 ) -> int:
-    """Answer every request still queued for ``model`` with ``error``. Each one leaves the queue
-    together with its reply (one script), so a request is answered exactly once even if a model
-    process starts taking them meanwhile, and none is lost to a crash in between. ``lease``: the
-    coordinator leader's token; every write is then fenced by it (NotLeader when deposed)."""
+    """Answer the requests queued for ``model`` when this starts with ``error``, oldest first.
+    Each one leaves the queue together with its reply (one script), so a request is answered
+    exactly once even if a model process starts taking them meanwhile, and none is lost to a
+    crash in between. A request queued after this started is not answered: it arrived after
+    what ``error`` tells (a failed load), and is the next load's; the answering stops at the
+    first such request at the queue's oldest end. ``lease``: the coordinator leader's token;
+    every write is then fenced by it (NotLeader when deposed). ``on_answered`` is told each
+    answered request's id (tests use it to queue one meanwhile)."""
     scripts = Scripts(r)
     reply = error.to_reply()
+    queued = set(cast(list[str], r.lrange(keys.queue(model), 0, -1)))
     n = 0
     while n < limit:
         raw = cast(str | None, r.lindex(keys.queue(model), -1))
-        if raw is None:
+        if raw is None or raw not in queued:
             break
         try:
             req_id = Request.loads(raw).id
@@ -62,6 +68,8 @@ def fail_queued(
             continue
         if scripts.reject_oldest(model, req_id, raw, reply, lease=lease):
             n += 1
+            if on_answered is not None:
+                on_answered(req_id)
     return n
 
 

@@ -466,3 +466,20 @@ def final(r: redis.Redis, call: bus.Call) -> bool:
     """Whether the reply stream of ``call`` holds its last message (not read yet)."""
     last: Any = r.xrevrange(keys.reply(call.req.id), count=1)
     return bool(last) and last[0][1]["t"] in ("done", "error")
+
+
+def test_a_request_queued_while_the_queue_is_failed_is_left_for_the_next_load(m: Model) -> None:
+    """A failed load answers the requests that waited for it; one queued while that answering
+    runs (its client retried at once) arrived after the failure and stays queued, for the next
+    load, instead of being told about a failure that happened before it came."""
+    for u in ("u", "v"):
+        m.submit(u)
+    late: list[str] = []
+
+    def retry_at_once(_req_id: str) -> None:
+        if not late:
+            late.append(m.submit("w")[0])
+
+    err = ApiError(500, "load failed", type="server_error", code="model_load_failed")
+    assert work.fail_queued(m.r, M, err, on_answered=retry_at_once) == 2
+    assert m.order() == late
