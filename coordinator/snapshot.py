@@ -27,7 +27,7 @@ from residency.policies import candidate_floor, helper_models
 from residency.settings import MODEL_TYPES, ModelSpec, Settings
 
 TYPES = MODEL_TYPES  # one pool, and one limit, per model type
-PER_MODEL = 6  # replies per model in the pool read
+PER_MODEL = 7  # replies per model in the pool read
 
 
 def _f(v: str | None) -> float | None:
@@ -132,6 +132,8 @@ class Read:
     helpers: tuple[str, ...] = ()  # the routing-helper set, from that same read
     # Per model with anything queued: its queued requests per user (for the health record).
     queued_by_user: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per model with saved slot caches: its cache record (keys.kvcache).
+    cache_hashes: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def adopt_model_keys(r: redis.Redis) -> int:
@@ -185,6 +187,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         pipe.lrange(keys.queue(n), 0, -1)
         pipe.zrange(keys.load_failures(n), 0, -1, withscores=True)
         pipe.hgetall(keys.footprint(n))
+        pipe.hgetall(keys.kvcache(n))
     for h in hosts:
         pipe.hgetall(keys.worker(h))
     res = pipe.execute()
@@ -198,14 +201,19 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     models: dict[str, ModelView] = {}
     raw: dict[str, dict[str, str]] = {}
     by_user: dict[str, dict[str, int]] = {}
+    cache_hashes: dict[str, dict[str, str]] = {}
     for i, n in enumerate(ordered):
-        h, queued, in_flight, items, failed, measured = res[PER_MODEL * i : PER_MODEL * (i + 1)]
+        h, queued, in_flight, items, failed, measured, saved = res[
+            PER_MODEL * i : PER_MODEL * (i + 1)
+        ]
         failures, last_error = _failures(failed, h, now)
         oldest, users = queue_summary(items)
         if users:
             by_user[n] = users
         e = entries.get(n)
         raw[n] = h
+        if saved:
+            cache_hashes[n] = saved
         models[n] = ModelView(
             name=n,
             type=e.spec.type if e else h.get("type", "llm"),
@@ -267,7 +275,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         max_busy_s=s.pool.max_busy_s,
         min_resident_s=s.pool.min_resident_s,
     )
-    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)), by_user)
+    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)), by_user, cache_hashes)
 
 
 def _slots(h: dict[str, str], in_flight: int) -> dict[str, int] | None:
@@ -276,6 +284,11 @@ def _slots(h: dict[str, str], in_flight: int) -> dict[str, int] | None:
         return None
     parallel = int(h["parallel"])
     return {"parallel": parallel, "busy": min(in_flight, parallel)}
+
+
+def _cache(h: dict[str, str] | None) -> dict[str, int]:
+    h = h or {}
+    return {k: int(float(h.get(k) or 0)) for k in ("entries", "bytes", "hits")}
 
 
 def health_record(
@@ -326,6 +339,8 @@ def health_record(
                 "estimate_bytes": _int(h.get("estimate_bytes")),
                 # What its next load is counted for, per device kind.
                 "expected_bytes": dict(m.need_bytes),
+                # Its saved slot caches as its last process left them.
+                "cache": _cache(rd.cache_hashes.get(m.name)),
             }
         )
     workers = []
@@ -342,6 +357,8 @@ def health_record(
                 "pid": int(wh["pid"]) if wh.get("pid") else None,
                 "memory_total": int(wh["memory_total"]) if wh.get("memory_total") else None,
                 "memory_used": json.loads(wh.get("memory", "{}")),
+                # The host's slot cache folder: its entries and bytes on disk.
+                "slot_cache": json.loads(wh["slot_cache"]) if wh.get("slot_cache") else None,
             }
         )
     return {

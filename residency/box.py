@@ -71,6 +71,27 @@ class Box:
     def metrics_dir(self) -> Path:
         return self.data_dir / "prometheus"
 
+    def slot_cache_dir(self, s: settings.Settings) -> Path:
+        """Where this host keeps its saved slot caches (``[cache] dir``, else under the data
+        dir)."""
+        if s.cache.dir:
+            return Path(s.cache.dir).expanduser().resolve()
+        return self.data_dir / "slot-cache"
+
+    def child_environ(self) -> dict[str, str]:
+        """What a process this box starts must be told to read the same settings: the config
+        file, the data dir and the settings given as ``RESIDENCY_*`` variables (never the admin
+        key: a model process has no use for it)."""
+        out = {
+            k: v
+            for k, v in self.environ.items()
+            if k.startswith("RESIDENCY_") and k != "RESIDENCY_ADMIN_KEY"
+        }
+        out["RESIDENCY_DATA_DIR"] = str(self.data_dir)
+        if self.config_path is not None:
+            out["RESIDENCY_CONFIG"] = str(self.config_path)
+        return out
+
     def file_layer(self) -> dict[str, Any]:
         return settings.read_file(self.config_path) if self.config_path else {}
 

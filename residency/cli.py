@@ -146,7 +146,23 @@ def render_status(h: dict[str, Any]) -> str:
             f"memory  {d['host']}/{d['device']} {d['used_bytes'] >> 20} MiB {of}"
             + (f" ({held})" if held else "")
         )
+    for w in h.get("workers", []):
+        c = w.get("slot_cache")
+        if c:
+            saved = ", ".join(
+                f"{m['name']} {m['cache']['entries']}"
+                for m in h.get("models", [])
+                if (m.get("cache") or {}).get("entries") and m.get("host") in (None, w["host"])
+            )
+            lines.append(
+                f"cache   {w['host']} {_mib(c['bytes'])} MiB in {c['entries']} saved slot(s) "
+                f"at {c['dir']}" + (f" ({saved})" if saved else "")
+            )
     return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

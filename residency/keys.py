@@ -90,6 +90,21 @@ def footprint(name: str) -> str:
     return f"{PREFIX}footprint:{name}"
 
 
+def kvcache_epochs() -> str:
+    """hash ``"*" | model name -> int`` (HINCRBY), no TTL: the clear epochs of the saved slot
+    caches. Bumped by the admin API when a cache is emptied (``"*"``: every model's) and when a
+    model is deleted or its spec replaced; a saved entry stamped with an older epoch is stale:
+    never restored, deleted by the model process or the agent that finds it."""
+    return f"{PREFIX}kvcache:epochs"
+
+
+def kvcache(name: str) -> str:
+    """hash, no TTL: a model's saved slot caches as its last process saw them: ``entries``,
+    ``bytes``, ``hits`` (restores used since that load), ``host``. Written by the model process
+    after its load's scan, each save and each restore; read into the health record."""
+    return f"{PREFIX}kvcache:{name}"
+
+
 def model_pattern() -> str:
     """SCAN pattern matching every ``model(name)`` key. Only for one-off sweeps (adopting the
     model hashes of a data dir written before ``models_with_state`` existed); the coordinator's

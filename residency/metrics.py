@@ -44,6 +44,18 @@ MODEL_FOOTPRINT = "residency_model_footprint_bytes"
 WORKER_UP = "residency_worker_up"
 LOADING_SECONDS = "residency_load_running_seconds"
 AUTO_EVICT = "residency_auto_evict_enabled"
+# Saved slot caches (counted by the model processes) and the disk they use (per host, from the
+# health record).
+KV_SAVES_TOTAL = "residency_kv_cache_saves_total"
+KV_SAVED_BYTES_TOTAL = "residency_kv_cache_saved_bytes_total"
+KV_RESTORES_TOTAL = "residency_kv_cache_restores_total"
+KV_RESTORED_TOKENS_TOTAL = "residency_kv_cache_restored_tokens_total"
+KV_DROPPED_TOTAL = "residency_kv_cache_entries_dropped_total"
+KV_RESTORE_SECONDS = "residency_kv_cache_restore_seconds"
+KV_DISK_BYTES = "residency_kv_cache_disk_bytes"
+# Live slots: prompt prefixes copied from a busy slot, and requests that waited for their own.
+SLOT_COPIES_TOTAL = "residency_slot_prefix_copies_total"
+SLOT_WAITS_TOTAL = "residency_slot_waits_total"
 # Per user, only with ``[metrics] per_user`` (one series per user and model: unbounded by
 # configuration, so off by default).
 USER_REQUESTS_TOTAL = "residency_user_requests_total"
@@ -53,8 +65,18 @@ LOAD_BUCKETS: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 AGE_BUCKETS: Sequence[float] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400, 86400)
 TTFT_BUCKETS: Sequence[float] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-_HISTOGRAMS = {LOAD_SECONDS: ("model",), AGE_AT_EVICTION: ("model",)}
-_BUCKETS = {LOAD_SECONDS: LOAD_BUCKETS, AGE_AT_EVICTION: AGE_BUCKETS}
+RESTORE_BUCKETS: Sequence[float] = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+_HISTOGRAMS = {
+    LOAD_SECONDS: ("model",),
+    AGE_AT_EVICTION: ("model",),
+    KV_RESTORE_SECONDS: ("model",),
+}
+_BUCKETS = {
+    LOAD_SECONDS: LOAD_BUCKETS,
+    AGE_AT_EVICTION: AGE_BUCKETS,
+    KV_RESTORE_SECONDS: RESTORE_BUCKETS,
+}
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -145,6 +167,13 @@ class RedisCollector(Collector):
             PASSES_TOTAL: (["trigger"], []),
             RECHECKS_TOTAL: (["model"], []),
             YIELDS_TOTAL: (["model"], []),
+            KV_SAVES_TOTAL: (["model", "outcome"], []),
+            KV_SAVED_BYTES_TOTAL: (["model"], []),
+            KV_RESTORES_TOTAL: (["model"], []),
+            KV_RESTORED_TOKENS_TOTAL: (["model"], []),
+            KV_DROPPED_TOTAL: (["model", "reason"], []),
+            SLOT_COPIES_TOTAL: (["model"], []),
+            SLOT_WAITS_TOTAL: (["model", "outcome"], []),
         }
         for field, value in data.items():
             metric, _, lab = field.partition("|")
@@ -165,6 +194,15 @@ class RedisCollector(Collector):
             "the pool)",
             YIELDS_TOTAL: "Busy models made to yield their slot to a model that waited "
             "pool.max_busy_s for one",
+            KV_SAVES_TOTAL: "Slot states saved at a drain, by outcome (saved; skipped: budget, "
+            "disk_full, timeout, error)",
+            KV_SAVED_BYTES_TOTAL: "Bytes of slot states written to the slot cache",
+            KV_RESTORES_TOTAL: "Saved slot states restored into a slot instead of a prefill",
+            KV_RESTORED_TOKENS_TOTAL: "Prompt tokens restored from saved slot states",
+            KV_DROPPED_TOTAL: "Saved slot states deleted unused, by reason (corrupt, stale)",
+            SLOT_COPIES_TOTAL: "Prompt prefixes copied from a busy slot instead of a prefill",
+            SLOT_WAITS_TOTAL: "Requests that waited for their conversation's slot, by how the "
+            "wait ended (own, copied, cold)",
         }
         for metric, (names, samples) in families.items():
             fam = CounterMetricFamily(metric.removesuffix("_total"), docs[metric], labels=names)
@@ -177,6 +215,7 @@ class RedisCollector(Collector):
         docs = {
             LOAD_SECONDS: "Seconds from load start to ready",
             AGE_AT_EVICTION: "Seconds a model was resident when evicted (low values = thrash)",
+            KV_RESTORE_SECONDS: "Seconds to read, check and restore a saved slot state",
         }
         label_names = list(_HISTOGRAMS[name])
         per: dict[str, dict[str, float]] = {}
@@ -270,6 +309,13 @@ class RedisCollector(Collector):
             if m["state"] == "loading" and m.get("loading_since"):
                 running.add_metric([m["name"]], max(at - float(m["loading_since"]), 0.0))
         yield running
+        disk = GaugeMetricFamily(
+            KV_DISK_BYTES, "Bytes a host's saved slot caches use on its disk", labels=["host"]
+        )
+        for w in h.get("workers", []):
+            if (w.get("slot_cache") or {}).get("bytes") is not None:
+                disk.add_metric([w["host"]], w["slot_cache"]["bytes"])
+        yield disk
         evict = GaugeMetricFamily(AUTO_EVICT, "1 when the auto_evict memory backstop is on")
         evict.add_metric([], 1 if (h.get("auto_evict") or {}).get("enabled") else 0)
         yield evict

@@ -87,21 +87,47 @@ def get(r: redis.Redis, name: str) -> Entry | None:
     return Entry.loads(name, raw) if raw else None  # type: ignore[arg-type]
 
 
-def put(r: redis.Redis, entry: Entry, actor: str) -> int:
+def kv_layout(spec: ModelSpec) -> tuple[object, ...]:
+    """The fields of a spec a saved slot state depends on (the file, its type, the context and
+    slot layout, flash attention): a replacement that changes any of them clears the model's
+    saved slot caches."""
+    return (spec.path, spec.type, spec.n_ctx, spec.parallel, spec.flash_attn)
+
+
+def put(r: redis.Redis, entry: Entry, actor: str, *, clear_cache: bool = False) -> int:
+    """Store ``entry``; with ``clear_cache`` (its KV layout changed), its saved slot caches
+    become stale in the same MULTI."""
+
+    def op(p: Any) -> None:
+        p.hset(keys.registry(), entry.name, entry.dumps())
+        if clear_cache:
+            clear_slot_caches(p, entry.name)
+
     return commit_change(
         r,
         actor,
         "model.put",
         entry.public(),
-        lambda p: p.hset(keys.registry(), entry.name, entry.dumps()),
+        op,
         absent=(keys.policies(), entry.name),  # a policy may not share the name
     )
 
 
 def delete(r: redis.Redis, name: str, actor: str) -> int:
-    return commit_change(
-        r, actor, "model.delete", {"name": name}, lambda p: p.hdel(keys.registry(), name)
-    )
+    def op(p: Any) -> None:
+        p.hdel(keys.registry(), name)
+        clear_slot_caches(p, name)
+
+    return commit_change(r, actor, "model.delete", {"name": name}, op)
+
+
+def clear_slot_caches(p: Any, name: str | None) -> None:
+    """Queue on ``p``: the saved slot caches of ``name`` (None: of every model) are stale from
+    now on (never restored; deleted by the agent of each host at its next heartbeat), and
+    their records say so."""
+    p.hincrby(keys.kvcache_epochs(), "*" if name is None else name, 1)
+    if name is not None:
+        p.delete(keys.kvcache(name))
 
 
 class Missing(KeyError):

@@ -316,6 +316,10 @@ CacheScope = Literal["user", "shared_system", "global"]
 CACHE_SCOPES: tuple[str, ...] = get_args(CacheScope)
 
 
+#: The folder of a host's slot caches, as its agent hands it to the model processes it starts.
+CACHE_DIR_ENV = "RESIDENCY_SLOT_CACHE_DIR"
+
+
 class CacheSettings(_Strict):
     scope: CacheScope = _key(
         "user",
@@ -323,6 +327,28 @@ class CacheSettings(_Strict):
         "who may reuse a slot's cached prompt prefix (and see it in cached_tokens): user = the "
         "same user only; shared_system = also everyone, for the part the system message(s) "
         "cover; global = everyone (an oracle of other users' prompts: benchmarks only)",
+    )
+    dir: str = _key(
+        "",
+        RESTART,
+        "folder of the slot caches a model saves when it is unloaded (each host its own); "
+        "empty = slot-cache under the data dir",
+    )
+    disk_mb: int = _key(
+        4096,
+        LIVE,
+        "disk the saved slot caches of a host may use, in MiB; the least recently used go "
+        "first; a save that does not fit is skipped; 0 = no slot is saved or restored",
+        ge=0,
+        le=1 << 24,
+    )
+    save_timeout_s: float = _key(
+        5.0,
+        LIVE,
+        "longest a draining or stopping model spends saving its slots before it unloads "
+        "(what is not written by then is skipped); 0 = no slot is saved",
+        ge=0,
+        le=600,
     )
 
 

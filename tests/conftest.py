@@ -147,6 +147,7 @@ def start_pool(
         policies: dict[str, dict[str, Any]] | None = None,
         worker: dict[str, Any] | None = None,
         auth: dict[str, Any] | None = None,
+        cache: dict[str, Any] | None = None,
     ) -> Pool:
         cfg = write_config(
             tmp_path / "config.toml",
@@ -160,6 +161,7 @@ def start_pool(
                 # Keys are required by default; the pool tests are not about auth (test_auth.py
                 # is), so their boxes take keyless requests unless a test says otherwise.
                 "auth": auth if auth is not None else OPEN_AUTH,
+                "cache": cache or {},
             },
         )
         box = Box(

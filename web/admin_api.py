@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from coordinator import fit, snapshot
 from residency import errors, keys, policies, policy_store, registry, usage
-from residency.box import ConfigStore, NameTaken, audit
+from residency.box import ConfigStore, NameTaken, audit, commit_change
 from residency.errors import ApiError
 from residency.messages import Event, EventType
 from residency.settings import (
@@ -169,10 +169,13 @@ def put_model(name: str) -> Any:
         if not Path(resolved).is_file():
             raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
         spec = spec.model_copy(update={"path": resolved})
-    existed = registry.get(st.r, name) is not None
+    old = registry.get(st.r, name)
+    existed = old is not None
     entry = registry.Entry(name, spec, "admin")
+    # Saved slot states of another file or layout can never be restored: cleared now.
+    relaid = old is not None and registry.kv_layout(old.spec) != registry.kv_layout(spec)
     try:
-        gen = _changed(registry.put(st.r, entry, _actor()))
+        gen = _changed(registry.put(st.r, entry, _actor(), clear_cache=relaid))
     except NameTaken:
         raise _name_taken(name, "policy") from None
     return _stored("model", entry.public(), gen, existed)
@@ -206,6 +209,25 @@ def delete_model(name: str) -> Any:
         raise _defined_in_file("model", name)
     gen = _changed(registry.delete(st.r, name, _actor()))
     return jsonify({"deleted": name, "generation": gen})
+
+
+@bp.delete("/cache")
+def clear_cache() -> Any:
+    """Empty the saved slot caches (``?model=``: of one model). Answered at once: from now on no
+    entry saved before is restored, and each host's agent deletes them at its next heartbeat."""
+    st = state()
+    model = request.args.get("model") or None
+    if model is not None:
+        _entry(model)
+    names = [model] if model else sorted(registry.all_entries(st.r))
+
+    def op(p: Any) -> None:
+        registry.clear_slot_caches(p, model)
+        for n in names:
+            p.delete(keys.kvcache(n))
+
+    gen = _changed(commit_change(st.r, _actor(), "cache.clear", {"model": model or "*"}, op))
+    return jsonify({"cleared": model or "*", "generation": gen})
 
 
 def _request_residency(name: str, what: str) -> Response:

@@ -666,6 +666,14 @@ def _admin_paths() -> dict[str, Schema]:
                 ],
             )
         },
+        "/admin/cache": {
+            "delete": _admin(
+                "Empty the saved slot caches (of one model with ?model=): none saved before is "
+                "restored from now on; each host deletes the files at its next heartbeat",
+                answer=_obj("cleared", "generation", generation=_INT),
+                params=[_query("model", "one model (default: every model)")],
+            )
+        },
         "/admin/faults": {
             "get": _admin("Injected faults (only with debug.fault_injection; 404 otherwise)"),
             "post": _admin("Set or clear injected faults", body=_OBJ),

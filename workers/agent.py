@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import redis
 
@@ -39,14 +39,16 @@ from residency.errors import ApiError, model_stalled
 from residency.loops import Waker, blmove, run_until_stopped
 from residency.lua import Scripts
 from residency.messages import Event, EventType
+from residency.settings import CACHE_DIR_ENV
 from residency.states import OCCUPYING, ModelState
-from workers import devices
+from workers import devices, kvstore
 
 log = logging.getLogger("residency.agent")
 
 HEARTBEAT_S = 2.0
 COMMAND_WAIT_S = 0.5
 STOP_GRACE_S = 10.0
+CACHE_SWEEP_S = 60.0  # how often the slot cache folder is swept of stale entries anyway
 EXIT_GRACE_S = 5.0  # a process that committed its unload gets this long to exit by itself
 
 
@@ -111,6 +113,11 @@ class Agent:
         # changes (see _stall_s).
         self._stall_s = box.base_settings().worker.stall_s
         self._stall_source: tuple[int, tuple[int, int, int] | None] | None = None
+        # The host's saved slot caches: the folder its model processes write, and when they
+        # were last swept of what a clear made stale (see slot_cache_usage).
+        self.cache_dir = box.slot_cache_dir(box.base_settings())
+        self._cache_epochs: dict[str, int] | None = None
+        self._cache_swept = 0.0
 
     # -- registration -----------------------------------------------------------------------
 
@@ -122,6 +129,7 @@ class Agent:
         now = time.time()
         with self._lock:
             children = {m: c.token for m, c in self.children.items()}
+        cache = self.slot_cache_usage()
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(
             keys.worker(self.host),
@@ -134,6 +142,7 @@ class Agent:
                 "last_heartbeat": now,
                 "children": json.dumps(children, sort_keys=True),
                 "children_at": now,
+                "slot_cache": json.dumps(cache, sort_keys=True),
             },
         )
         pipe.expire(keys.worker(self.host), keys.WORKER_TTL_S)
@@ -141,6 +150,22 @@ class Agent:
         # Outlives the record: a gone host is listed with it until worker.forget_after_s.
         pipe.hset(keys.hosts_seen(), self.host, now)
         pipe.execute()
+
+    def slot_cache_usage(self) -> dict[str, Any]:
+        """The host's slot cache folder, its entries and bytes, after deleting what a clear
+        made stale (the admin API bumps the clear epochs in Redis; it cannot reach this disk):
+        swept when the epochs moved, and every CACHE_SWEEP_S for entries a process loaded
+        before the clear saved after it."""
+        raw = cast(dict[str, str], self.r.hgetall(keys.kvcache_epochs()))
+        epochs = {str(k): int(v) for k, v in raw.items()}
+        now = time.monotonic()
+        if epochs != self._cache_epochs or now - self._cache_swept >= CACHE_SWEEP_S:
+            self._cache_epochs, self._cache_swept = epochs, now
+            n = kvstore.purge_cleared(self.cache_dir, epochs)
+            if n:
+                log.info("slot cache: %d cleared entr%s deleted", n, "y" if n == 1 else "ies")
+        entries, size = kvstore.usage(self.cache_dir)
+        return {"dir": str(self.cache_dir), "entries": entries, "bytes": size}
 
     def beat_until_stopped(self) -> None:
         """The heartbeat thread: every HEARTBEAT_S until the stop, whatever the loop is doing.
@@ -284,6 +309,10 @@ class Agent:
         """A model process pinned to ``device`` (one GPU visible, or the device's CPU cores)."""
         cores = devices.cpu_affinity(device)
         env = devices.child_env(device, dict(os.environ))
+        # The model process reads the live [cache] settings as this agent does, and saves its
+        # slots into this host's folder.
+        env.update(self.box.child_environ())
+        env[CACHE_DIR_ENV] = str(self.cache_dir)
         env["RESIDENCY_REDIS_URL"] = self.box.redis_url or ""
         preexec = procs.die_with_parent()
 

@@ -281,14 +281,22 @@ def create(
     chain = Sampling(
         logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()}, **sampling
     )
+    asker = (cache or CacheUse()).asker(tokens)
+    # A state saved before the model was last unloaded, read (and checked) here: the engine
+    # thread only hands its bytes to llama.cpp.
+    saved = getattr(llm, "slot_cache", None)
+    restore = None
+    if saved is not None:
+        restore = saved.offer(tokens, asker, engine.held_prefix(tokens, asker))
     job = Job(
         tokens,
         max(max_tokens, 0),
         chain,
         logprobs,
         stop_token,
-        asker=(cache or CacheUse()).asker(tokens),
+        asker=asker,
         on_progress=on_progress,
+        restore=restore,
     )
     engine.submit(job)
     c = Completion(

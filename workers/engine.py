@@ -36,14 +36,25 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 
 from workers.decode_threads import Chooser
-from workers.slots import Asker, Cached, SlotState, check_transition, choose
+from workers.slots import (
+    Action,
+    Asker,
+    Cached,
+    Held,
+    Plan,
+    SlotState,
+    check_transition,
+    plan,
+    reusable,
+)
 
 log = logging.getLogger("residency.model")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,10 @@ class Backend(Protocol):
     def is_eog(self, token: int) -> bool: ...
     def seq_rm(self, seq: int, p0: int) -> bool: ...  # drop positions p0.. (-1: all)
     def seq_pos_min(self, seq: int) -> int: ...
+    def state_get(self, seq: int) -> bytes: ...  # the sequence's KV state, serialized
+    def state_set(self, seq: int, data: bytes) -> bool: ...  # into seq (replacing it)
+    # All of ``src``'s memory into ``dst`` (replacing it); False: this memory cannot.
+    def seq_cp(self, src: int, dst: int) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -114,6 +129,49 @@ class Token:
 @dataclass(frozen=True)
 class End:
     reason: str  # "stop": an end-of-generation token; "length": max_tokens or the context
+
+
+@dataclass
+class Restore:
+    """A saved slot state offered to a job (read and checked before it is submitted): the
+    tokens it holds and whose they were, its bytes, and ``done`` — told on the engine thread
+    how it went ("restored", "unused": a live slot held more, "refused": llama.cpp refused the
+    state), how many prompt tokens it saved, and how long llama.cpp took."""
+
+    tokens: list[int]
+    owner: str
+    shareable: int
+    data: bytes
+    done: Callable[[str, int, float], None] = lambda outcome, tokens, seconds: None
+
+
+@dataclass(frozen=True)
+class SlotImage:
+    """A free slot's memory as saved at a drain: its tokens, whose request filled it, how many
+    of them that request marked shareable, and the KV state."""
+
+    tokens: list[int]
+    owner: str
+    shareable: int
+    data: bytes
+
+
+class _Task(Generic[T]):
+    """A call run on the engine thread between two steps (the context is its alone)."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # handed to the caller, never kills the engine
+            self.error = e
+        finally:
+            self.done.set()
 
 
 class GrammarBudgetExceeded(RuntimeError):
@@ -148,6 +206,7 @@ class Job:
         *,
         asker: Asker | None = None,
         on_progress: Callable[[], None] | None = None,
+        restore: Restore | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -159,6 +218,12 @@ class Job:
         self.asker = asker or Asker()
         self.on_progress = on_progress
         self.cached = 0  # prompt tokens reused from its slot's memory (set when it gets one)
+        # A saved state it may start from (dropped once it has a slot), and how it started:
+        # the plan's action, and the engine step it first waited at (for its own slot).
+        self.restore = restore
+        self.started: Action | None = None
+        self.wait_since: int | None = None
+        self.waited_for = -1
         self.sampler: Any = None  # built by Engine.submit
         # Its grammar's work on the engine thread: seconds, and how often the grammar was
         # applied to the whole vocabulary (the sampled token refused).
@@ -166,6 +231,10 @@ class Job:
         self.grammar_applied = 0
         self._out: queue.SimpleQueue[Token | End | BaseException] = queue.SimpleQueue()
         self._cancelled = threading.Event()
+
+    def saved(self) -> Cached | None:
+        r = self.restore
+        return None if r is None else Cached(-1, r.tokens, 0.0, r.owner, r.shareable)
 
     def cancel(self) -> None:
         """The consumer is gone or has seen enough (a stop string): the slot is freed at the
@@ -243,12 +312,19 @@ class Engine:
         # Every generating slot needs a place in each step's batch, beside prompt chunks.
         self.n_batch = max(n_batch, n_slots)
         self.slots = [Slot(i) for i in range(n_slots)]
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Job | _Task[Any] | None] = queue.SimpleQueue()
         self._waiting: deque[Job] = deque()
         self._arrivals = 0
         self._closed = threading.Event()
         self.prefilled = 0  # prompt tokens decoded (cached ones excluded), for tests and stats
         self.steps = 0
+        # How requests found their prefixes beyond their slot (for tests and stats): restored
+        # from a saved state, copied from a busy slot, and those that waited for their own
+        # slot, by how the wait ended ("own", "copied", "cold").
+        self.restored = 0
+        self.copied = 0
+        self.waits: dict[str, int] = {"own": 0, "copied": 0, "cold": 0}
+        self._copied_into: set[int] = set()  # slots whose copy is pending until the next decode
         self.error: BaseException | None = None  # what stopped the engine thread, if anything
         # Orders a submit's check and put against the thread's death: a job is either refused
         # or in the inbox before the dying thread fails what the inbox holds.
@@ -278,6 +354,44 @@ class Engine:
 
     def busy(self) -> int:
         return sum(1 for s in self.slots if s.state is not SlotState.FREE)
+
+    def call(self, fn: Callable[[], T], timeout: float) -> T:
+        """``fn()`` run on the engine thread between two steps; ``TimeoutError`` past
+        ``timeout`` seconds (it may still run later: ``fn`` must stay harmless then)."""
+        task: _Task[T] = _Task(fn)
+        with self._submit_lock:
+            if self.error is not None or self._closed.is_set():
+                raise EngineClosed("the engine is closed")
+            self._inbox.put(task)
+        if not task.done.wait(timeout):
+            raise TimeoutError(f"the engine thread did not get to it within {timeout:g}s")
+        if task.error is not None:
+            raise task.error
+        return cast(T, task.result)
+
+    def images(self, min_tokens: int) -> list[SlotImage]:
+        """The free slots holding at least ``min_tokens`` tokens, with their KV state (engine
+        thread only: through ``call``). A busy slot is mid-request and not taken."""
+        out: list[SlotImage] = []
+        for s in self.slots:
+            if s.state is SlotState.FREE and len(s.cached) >= min_tokens:
+                data = self._b.state_get(s.seq)
+                if data:
+                    out.append(SlotImage(list(s.cached), s.owner, s.shareable, data))
+        return out
+
+    def held_prefix(self, prompt: list[int], asker: Asker) -> int:
+        """The most of ``prompt`` a live slot (free or busy) holds that ``asker`` may reuse.
+        Read from another thread without a lock: a hint (whether a saved state is worth
+        reading), never a decision — ``_admit`` decides on the engine thread."""
+        best = 0
+        for s in self.slots:
+            c = Cached(s.seq, list(s.cached), 0.0, s.owner, s.shareable)
+            best = max(best, reusable(c, prompt, asker))
+        return best
+
+    def can_copy(self) -> bool:
+        return bool(getattr(self._b, "copies", False))
 
     def close(self) -> None:
         self._closed.set()
@@ -311,7 +425,9 @@ class Engine:
             # Idle, the thread sleeps until a job (or close) arrives: no polling.
             item = self._inbox.get() if idle else self._inbox.get_nowait()
             while True:
-                if item is not None:
+                if isinstance(item, _Task):
+                    item.run()
+                elif item is not None:
                     self._waiting.append(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
@@ -324,27 +440,101 @@ class Engine:
         self._waiting = deque(j for j in self._waiting if not j.cancelled)
 
     def _admit(self) -> None:
-        while self._waiting:
+        """Give waiting jobs free slots, in arrival order (``workers.slots.plan`` says how); a
+        job that waits for its conversation's own slot lets the ones behind it go first."""
+        waiting, self._waiting = self._waiting, deque()
+        can_copy = self.can_copy()
+        while waiting:
             free = [
                 Cached(s.seq, s.cached, s.used, s.owner, s.shareable)
                 for s in self.slots
                 if s.state is SlotState.FREE
             ]
             if not free:
-                return
-            job = self._waiting.popleft()
-            c = choose(free, job.prompt, job.asker)
-            slot = self.slots[c.slot]
-            keep = self._trim(slot, c.keep)
-            slot.owner = job.asker.owner
-            slot.shareable = min(job.asker.shareable, len(job.prompt))
-            slot.job = job
-            slot.pending = job.prompt[keep:]
-            slot.generated = 0
-            self._arrivals += 1
-            slot.admitted = self._arrivals
-            job.cached = keep
-            slot.move(SlotState.PREFILL)
+                break
+            job = waiting.popleft()
+            held = [
+                Held(
+                    s.seq,
+                    s.cached,
+                    s.owner,
+                    s.shareable,
+                    len(s.job.prompt),
+                    s.job.max_tokens - s.generated,
+                    s.job.cancelled,
+                )
+                for s in self.slots
+                if s.job is not None and s.seq not in self._copied_into
+            ]
+            waited = 0 if job.wait_since is None else self.steps - job.wait_since
+            p = plan(free, held, job.prompt, job.asker, job.saved(), waited, can_copy)
+            if p.action is Action.WAIT:
+                if job.wait_since is None:
+                    job.wait_since = self.steps
+                job.waited_for = p.source
+                self._waiting.append(job)
+                continue
+            self._place(job, p)
+        self._waiting.extend(waiting)
+
+    def _place(self, job: Job, p: Plan) -> None:
+        slot = self.slots[p.slot]
+        keep = p.keep
+        if p.action is Action.RESTORE:
+            keep = self._restore(slot, job, keep)
+        elif p.action is Action.COPY:
+            keep = self._copy(self.slots[p.source], slot, keep)
+        else:
+            keep = self._trim(slot, keep)
+        if job.restore is not None and p.action is not Action.RESTORE:
+            job.restore.done("unused", 0, 0.0)
+        job.restore = None  # its bytes are not kept past admission
+        if job.wait_since is not None:
+            own = p.action is Action.TAKE and p.slot == job.waited_for and keep > 0
+            self.waits["own" if own else "copied" if p.action is Action.COPY else "cold"] += 1
+        job.started = p.action
+        slot.owner = job.asker.owner
+        slot.shareable = min(job.asker.shareable, len(job.prompt))
+        slot.job = job
+        slot.pending = job.prompt[keep:]
+        slot.generated = 0
+        self._arrivals += 1
+        slot.admitted = self._arrivals
+        job.cached = keep
+        slot.move(SlotState.PREFILL)
+
+    def _restore(self, slot: Slot, job: Job, keep: int) -> int:
+        """Put the job's saved state into ``slot`` and keep ``keep`` of its tokens; the tokens
+        kept (0: llama.cpp refused the state, and the slot starts empty)."""
+        r = job.restore
+        assert r is not None
+        t0 = time.perf_counter()
+        ok = self._b.state_set(slot.seq, r.data)
+        seconds = time.perf_counter() - t0
+        if ok:
+            slot.cached = list(r.tokens)
+            keep = self._trim(slot, keep)
+            self.restored += 1
+        else:
+            log.warning("llama.cpp refused a saved slot state; the prompt is prefilled")
+            slot.cached = [0]  # whatever the refusal left, _trim empties the sequence
+            keep = self._trim(slot, 0)
+        r.done("refused" if not ok else "restored" if keep else "unused", keep, seconds)
+        return keep
+
+    def _copy(self, src: Slot, dst: Slot, keep: int) -> int:
+        """Copy ``src``'s memory into ``dst`` and keep ``keep`` of its tokens there."""
+        self._b.seq_rm(dst.seq, -1)
+        if not self._b.seq_cp(src.seq, dst.seq):
+            dst.cached = []
+            return 0
+        # The copy lands at the next decode; no copy is made from this slot before then.
+        self._copied_into.add(dst.seq)
+        dst.cached = list(src.cached)
+        keep = self._trim(dst, keep)
+        if keep:
+            self.copied += 1
+        return keep
 
     def _trim(self, slot: Slot, keep: int) -> int:
         """Drop the slot's cached tokens past ``keep``; the tokens actually kept (0 when this
@@ -391,6 +581,7 @@ class Engine:
                 sample.append((s, n - 1))
         rc = self._decode(n)
         self.steps += 1
+        self._copied_into.clear()  # the decode applied them
         if rc != 0:
             err = RuntimeError(f"llama_decode failed ({rc})")
             for s in in_batch:
@@ -501,7 +692,10 @@ class Engine:
         try:
             while True:
                 item = self._inbox.get_nowait()
-                if item is not None:
+                if isinstance(item, _Task):
+                    item.error = e
+                    item.done.set()
+                elif item is not None:
                     item.put(e)
         except queue.Empty:
             pass

@@ -37,8 +37,9 @@ from residency import keys
 from residency.lua import Scripts
 from residency.settings import ModelSpec
 from workers.completion import CacheUse, OnUsage
-from workers.engine import Backend, Sampler, Sampling
+from workers.engine import Backend, Sampler, Sampling, SlotImage
 from workers.runtime import OnStep, Runtime
+from workers.slot_cache import SlotCache
 
 log = logging.getLogger("residency.model")
 
@@ -310,6 +311,19 @@ class FaultyRuntime:
     def count_tokens(self, params: dict[str, Any]) -> dict[str, Any]:
         self._hold(None)
         return self.inner.count_tokens(params)
+
+    @property
+    def state_format(self) -> str:
+        return self.inner.state_format
+
+    def attach_cache(self, cache: SlotCache | None) -> None:
+        self.inner.attach_cache(cache)
+
+    def prefix_counts(self) -> dict[str, int]:
+        return self.inner.prefix_counts()
+
+    def slot_images(self, min_tokens: int, timeout: float) -> list[SlotImage]:
+        return self.inner.slot_images(min_tokens, timeout)
 
     def failure(self) -> BaseException | None:
         return self.inner.failure()

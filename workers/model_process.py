@@ -8,6 +8,7 @@ moment another party takes the state (reaped, timed out), it stops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -16,24 +17,27 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import redis
 
 from residency import keys, ledger, metrics, procs, registry, vision, work
-from residency.box import connect
+from residency.box import Box, ConfigStore, connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
 from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
-from residency.settings import ModelSpec, WorkerSettings
+from residency.settings import CACHE_DIR_ENV, CacheSettings, ModelSpec, WorkerSettings
 from residency.states import ModelState
 from workers import chat_shape, memory
 from workers.completion import REPORT, CacheUse, OnUsage
-from workers.engine import EngineDied
+from workers.engine import EngineClosed, EngineDied
 from workers.faults import FaultyRuntime, StepFaults
 from workers.gate import Gate, Reason, Stopped, Watcher
+from workers.kvstore import Stamp
 from workers.runtime import LlamaRuntime, Runtime
+from workers.slot_cache import MIN_SAVE_TOKENS, SlotCache, spec_digest
 from workers.slot_shares import SlotShares
 from workers.timings import Timings
 
@@ -90,6 +94,8 @@ class ModelProcess:
         limits_generation: int = 0,
         model_dirs: list[str] | None = None,
         slot_share_grace_s: float = SLOT_SHARE_GRACE_S,
+        cache_root: Path | None = None,
+        cache_settings: Callable[[], CacheSettings] = CacheSettings,
     ) -> None:
         self.r = r
         # Folders the model file's real path must lie in at load (None: a config-file model).
@@ -124,6 +130,14 @@ class ModelProcess:
         self.slot_share_grace_s = slot_share_grace_s
         self.shares = SlotShares(1, slot_share_grace_s, time.monotonic)
         self._finished = threading.Event()  # set when a request leaves its slot
+        # Saved slot caches: the host's folder (None: none kept), the live [cache] settings,
+        # the model's entries once loaded, and the engine's prefix counts last published.
+        self.cache_root = cache_root
+        self.cache_settings = cache_settings
+        self.slot_cache: SlotCache | None = None
+        self._prefix_seen: dict[str, int] = {}
+        self._cache_lock = threading.Lock()
+        self.saved_at_drain = False  # its slots were saved when it was told to unload
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -145,6 +159,7 @@ class ModelProcess:
                 registry.check_path(self.spec.path, self.model_dirs)
             self.runtime.load(self.spec, self.device)
             self.parallel = self.runtime.parallel
+            self._open_cache()
         except Exception as e:
             if self.stop.is_set():
                 log.info("%s: load stopped by shutdown", self.model)
@@ -220,8 +235,109 @@ class ModelProcess:
                 },
             )
         self.retrying("count the load", pipe.execute)
+        self.retrying("publish the slot cache", self.publish_cache)
         log.info("%s ready on %s in %.3fs", self.model, self.device, seconds)
         return True
+
+    # -- saved slot caches ------------------------------------------------------------------
+
+    def _open_cache(self) -> None:
+        """Index the entries saved under this spec (and the current clear epochs), deleting
+        what cannot be restored; prompts may start from them while ``[cache] disk_mb`` > 0."""
+        if self.cache_root is None or self.spec.type != "llm":
+            return
+        every, mine = self.retrying(
+            "read the slot cache epochs",
+            lambda: self.r.hmget(keys.kvcache_epochs(), ["*", self.model]),
+        )
+        digest = spec_digest(self.spec, self.parallel, self.runtime.state_format)
+        stamp = Stamp(digest, int(every or 0), int(mine or 0))
+
+        def fresh() -> bool:  # no clear since the load (asked before each restore)
+            now = self.r.hmget(keys.kvcache_epochs(), ["*", self.model])
+            return (int(now[0] or 0), int(now[1] or 0)) == (stamp.epoch_all, stamp.epoch_model)
+
+        cache = SlotCache(self.cache_root, self.model, stamp, fresh)
+        cache.scan()
+        self.slot_cache = cache
+        try:
+            restores = self.cache_settings().disk_mb > 0
+        except ValueError as e:  # a bad config: the admin API reports it; keep serving
+            log.error("%s: settings unreadable (%s); saved slots not restored", self.model, e)
+            restores = False
+        if restores:
+            self.runtime.attach_cache(cache)
+
+    def save_slots(self, why: str) -> None:
+        """Write the free slots' memory to the slot cache (at a drain or a stop), within
+        ``[cache] save_timeout_s`` and ``disk_mb`` as they are now: a save that does not fit is
+        skipped, and nothing here fails or holds the unload past the timeout."""
+        cache = self.slot_cache
+        if cache is None or self.engine_error is not None:
+            return
+        try:
+            cs = self.cache_settings()
+        except ValueError as e:
+            log.error("%s: settings unreadable (%s); slots not saved", self.model, e)
+            return
+        if cs.disk_mb == 0 or cs.save_timeout_s == 0:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + cs.save_timeout_s
+        try:
+            images = self.runtime.slot_images(MIN_SAVE_TOKENS, cs.save_timeout_s)
+        except (TimeoutError, EngineClosed) as e:
+            log.warning("%s: slots not saved (%s): %s", self.model, why, e)
+            return
+        report = cache.save(images, cs.disk_mb << 20, deadline)
+        log.info(
+            "%s: %d slot(s) saved (%s, %d bytes, %.3fs)%s",
+            self.model,
+            report.saved,
+            why,
+            report.bytes,
+            time.monotonic() - t0,
+            f", skipped {report.skipped}" if report.skipped else "",
+        )
+        self.retrying("count the slot cache", self.publish_cache)
+
+    def publish_cache(self, force: bool = True) -> None:
+        """What the slot cache and the engine's prefix reuse did since the last call, as
+        metrics, with the model's cache record for /health, in one round trip (none when
+        nothing changed, unless ``force``)."""
+        cache = self.slot_cache
+        with self._cache_lock:
+            prefix = self.runtime.prefix_counts()
+            delta = {k: v - self._prefix_seen.get(k, 0) for k, v in prefix.items()}
+            self._prefix_seen = prefix
+            counts = cache.take_counts() if cache is not None else None
+        if not (force or any(delta.values()) or (counts is not None and counts.any())):
+            return
+        pipe = self.r.pipeline(transaction=False)
+        m = {"model": self.model}
+        if delta.get("copies"):
+            metrics.inc(pipe, metrics.SLOT_COPIES_TOTAL, m, delta["copies"])
+        for outcome in ("own", "copied", "cold"):
+            if delta.get(f"wait_{outcome}"):
+                labels = {**m, "outcome": outcome}
+                metrics.inc(pipe, metrics.SLOT_WAITS_TOTAL, labels, delta[f"wait_{outcome}"])
+        if cache is not None and counts is not None:
+            if counts.saves:
+                metrics.inc(pipe, metrics.KV_SAVES_TOTAL, {**m, "outcome": "saved"}, counts.saves)
+                metrics.inc(pipe, metrics.KV_SAVED_BYTES_TOTAL, m, counts.saved_bytes)
+            for outcome, n in counts.skipped.items():
+                metrics.inc(pipe, metrics.KV_SAVES_TOTAL, {**m, "outcome": outcome}, n)
+            if counts.restores:
+                metrics.inc(pipe, metrics.KV_RESTORES_TOTAL, m, counts.restores)
+                metrics.inc(pipe, metrics.KV_RESTORED_TOKENS_TOTAL, m, counts.restored_tokens)
+            for sec in counts.restore_seconds:
+                metrics.observe(pipe, metrics.KV_RESTORE_SECONDS, m, sec)
+            for reason, n in counts.bad.items():
+                metrics.inc(pipe, metrics.KV_DROPPED_TOTAL, {**m, "reason": reason}, n)
+            entries, size = cache.usage()
+            pipe.hset(keys.kvcache(self.model), mapping={"entries": entries, "bytes": size})
+            pipe.hincrby(keys.kvcache(self.model), "hits", counts.restores)
+        pipe.execute()
 
     def _report_failed_load(self, msg: str) -> None:
         self.scripts.transition(
@@ -414,6 +530,12 @@ class ModelProcess:
             return None
         if cmd.get("op") != "unload" or cmd.get("token") != self.token:
             return None  # addressed to an earlier load of this model
+        if not self._in_flight:
+            # Before the unload commits: the memory stays counted as this model's until the
+            # save is done. A request queued meanwhile rescues the model (the save was early,
+            # not wrong: its entries are what the slots hold).
+            self.save_slots(str(cmd.get("reason") or "unload"))
+            self.saved_at_drain = True
         res = self.scripts.try_unload(
             self.model,
             token=self.token,
@@ -435,6 +557,9 @@ class ModelProcess:
             self.shares.finished(req.user if req is not None else "")
             self._free.release()
             self._finished.set()
+        # A restore or copy it made, if any (on a Redis outage: counted with a later one).
+        with contextlib.suppress(*REDIS_DOWN):
+            self.publish_cache(force=False)
 
     def handle(self, raw: str, req: Request | None = None) -> None:
         """Serve one taken request to its last reply (``req``: ``raw`` already parsed)."""
@@ -828,6 +953,22 @@ def wait_for_command(r: redis.Redis, key: str, stop: threading.Event) -> str | N
         waker.close()
 
 
+def _live_cache_settings(r: redis.Redis) -> Callable[[], CacheSettings]:
+    """``[cache]`` as it is now (file, environment and admin changes; the agent hands its own
+    config file and environment down): re-read when the config generation moves."""
+    store = ConfigStore(Box.from_env(), r)
+    seen: list[Any] = [None, CacheSettings()]
+
+    def current() -> CacheSettings:
+        gen = store.config_generation()
+        if gen != seen[0]:
+            seen[1] = store.load()[0].cache
+            seen[0] = gen
+        return cast(CacheSettings, seen[1])
+
+    return current
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="residency-model-process")
     group = ap.add_mutually_exclusive_group(required=True)
@@ -874,11 +1015,15 @@ def main(argv: list[str] | None = None) -> int:
         limits_generation=int(cmd.get("limits_generation", 0)),
         model_dirs=cmd.get("model_dirs"),
         slot_share_grace_s=float(cmd.get("slot_share_grace_s", SLOT_SHARE_GRACE_S)),
+        cache_root=Path(os.environ[CACHE_DIR_ENV]) if os.environ.get(CACHE_DIR_ENV) else None,
+        cache_settings=_live_cache_settings(r),
     )
     if not proc.load():
         return 1
     try:
         proc.serve()
+        if stop.is_set() and not proc.saved_at_drain:
+            proc.save_slots("shutdown")  # the box stops: its slots survive a restart
     finally:
         proc.runtime.close()
     if proc.engine_error is not None:

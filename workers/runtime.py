@@ -35,7 +35,8 @@ from workers import (
 )
 from workers.completion import CacheUse, OnUsage, Pieces
 from workers.decode_threads import Chooser
-from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling
+from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling, SlotImage
+from workers.slot_cache import SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,26 @@ class Runtime(Protocol):
     def failure(self) -> BaseException | None:
         """What stopped its engine thread (None: it runs, or it has none): a process whose
         engine died can serve nothing more and exits."""
+        ...
+
+    @property
+    def state_format(self) -> str:
+        """What writes its slot states (a saved state is restored only by the same)."""
+        ...
+
+    def prefix_counts(self) -> dict[str, int]:
+        """Since load: prompt prefixes copied from a busy slot (``copies``) and requests that
+        waited for their own slot, by how the wait ended (``wait_own``, ``wait_copied``,
+        ``wait_cold``)."""
+        ...
+
+    def attach_cache(self, cache: SlotCache | None) -> None:
+        """Saved slot states its prompts may start from (None: none)."""
+        ...
+
+    def slot_images(self, min_tokens: int, timeout: float) -> list[SlotImage]:
+        """Its free slots' memory, for a save at the drain ([] without an engine);
+        ``TimeoutError`` when the engine thread does not get to it within ``timeout``."""
         ...
 
     def close(self) -> None: ...
@@ -275,6 +296,7 @@ def _batched_llama() -> Any:
     class BatchedLlama(llama_cpp.Llama):
         engine: Engine | None = None
         pieces: Pieces | None = None
+        slot_cache: SlotCache | None = None  # saved slot states a prompt may start from
 
         def __init__(
             self, *args: Any, sequences: int = 1, flash_attn_type: int = -1, **kwargs: Any
@@ -489,6 +511,28 @@ class LlamaBackend:
 
     def seq_pos_min(self, seq: int) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    def state_get(self, seq: int) -> bytes:
+        ctx = self._ctx.ctx
+        size = int(self._lib.llama_state_seq_get_size(ctx, seq))
+        if size <= 0:
+            return b""
+        buf = (ctypes.c_uint8 * size)()
+        n = int(self._lib.llama_state_seq_get_data(ctx, buf, size, seq))
+        return bytes(memoryview(buf)[:n])
+
+    def state_set(self, seq: int, data: bytes) -> bool:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(self._lib.llama_state_seq_set_data(self._ctx.ctx, buf, len(data), seq)) > 0
+
+    #: Each slot has its own cells (not unified): llama.cpp copies one sequence into another
+    #: only whole (the stream's buffer, at the next decode); the engine then drops what follows
+    #: the shared prefix.
+    copies = True
+
+    def seq_cp(self, src: int, dst: int) -> bool:
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        return True
 
     def tokenize(self, text: str) -> list[int]:
         """Tokens whose pieces spell exactly ``text``, with the special tokens it names (a
@@ -965,6 +1009,28 @@ class LlamaRuntime:
 
     def failure(self) -> BaseException | None:
         return self._engine.error if self._engine is not None else None
+
+    @property
+    def state_format(self) -> str:
+        import llama_cpp
+
+        return f"llama-cpp-python {llama_cpp.__version__}"
+
+    def prefix_counts(self) -> dict[str, int]:
+        e = self._engine
+        if e is None:
+            return {}
+        return {"copies": e.copied, **{f"wait_{k}": v for k, v in e.waits.items()}}
+
+    def attach_cache(self, cache: SlotCache | None) -> None:
+        if self._engine is not None:
+            self.llm.slot_cache = cache
+
+    def slot_images(self, min_tokens: int, timeout: float) -> list[SlotImage]:
+        engine = self._engine
+        if engine is None:
+            return []
+        return engine.call(lambda: engine.images(min_tokens), timeout)
 
     def embed(self, inputs: list[str]) -> dict[str, Any]:
         with _client_errors("input"):
