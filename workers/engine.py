@@ -308,6 +308,8 @@ class Engine:
         self._threads_now = 0  # the count the backend was last set to (0: never set here)
         self.grammar_budget_s = grammar_budget_s
         self.n_vocab = backend.n_vocab
+        # The sliding window of the model's SWA layers (0: none), for ``_trim``.
+        self.n_swa = int(getattr(backend, "n_swa", 0))
         self.n_ctx_slot = n_ctx_slot
         # Every generating slot needs a place in each step's batch, beside prompt chunks.
         self.n_batch = max(n_batch, n_slots)
@@ -538,10 +540,13 @@ class Engine:
 
     def _trim(self, slot: Slot, keep: int) -> int:
         """Drop the slot's cached tokens past ``keep``; the tokens actually kept (0 when this
-        memory cannot drop part of a sequence, or lost the start of it to a sliding window)."""
+        memory cannot drop part of a sequence, or lacks some of the positions the next token
+        attends to). A sliding-window layer attends to the last ``n_swa`` positions only, and
+        a saved state holds only those of its sequence's end (llama.cpp writes no masked cell):
+        such a state serves a prompt that goes on from its end, as llama-server checks it."""
         if keep < len(slot.cached) and not self._b.seq_rm(slot.seq, keep):
             keep = 0
-        if keep > 0 and self._b.seq_pos_min(slot.seq) > 0:
+        if keep > 0 and self._b.seq_pos_min(slot.seq) > max(0, keep - self.n_swa):
             keep = 0
         if keep == 0:
             self._b.seq_rm(slot.seq, -1)

@@ -110,7 +110,7 @@ def encode(
             "n_tokens": len(tokens),
             "state_len": len(state),
             "state_sum": hashlib.sha256(state).hexdigest(),
-            "saved": time.time(),
+            "saved": int(time.time()),
         },
         separators=(",", ":"),
     ).encode("utf-8")

@@ -387,6 +387,7 @@ class LlamaBackend:
         self._mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
         self._vocab = llm._model.vocab
         self.n_vocab = int(llm.n_vocab())
+        self.n_swa = int(llama_cpp.llama_model_n_swa(llm._model.model))
         self._batch = _internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
         self._n = 0
         # The candidates ``draw`` and ``allows`` hand the samplers, reused (only the engine
@@ -1024,6 +1025,8 @@ class LlamaRuntime:
 
     def attach_cache(self, cache: SlotCache | None) -> None:
         if self._engine is not None:
+            if cache is not None:
+                cache.n_swa = self._engine.n_swa
             self.llm.slot_cache = cache
 
     def slot_images(self, min_tokens: int, timeout: float) -> list[SlotImage]:

@@ -99,6 +99,10 @@ class SlotCache:
         self._lock = threading.Lock()
         self._counts = Counts()
         self.hits = 0  # restores used since load
+        # The model's sliding window (0: none; set when attached to a runtime). A saved state
+        # holds only the window's last positions of its SWA layers: it serves a prompt that
+        # goes on from its whole length, no shorter prefix of it (``Engine._trim``).
+        self.n_swa = 0
 
     # -- index ------------------------------------------------------------------------------
 
@@ -151,6 +155,8 @@ class SlotCache:
         top: tuple[Entry, int] | None = None
         for e in entries:
             n = min(allowed(kvstore.common_prefix(e.tokens, arr), e.owner, e.shareable, asker), cap)
+            if self.n_swa and len(e.tokens) > self.n_swa and n < len(e.tokens):
+                continue  # its window's start is gone: no prefix of it can be restored
             if n > 0 and (top is None or n > top[1]):
                 top = (e, n)
         return top

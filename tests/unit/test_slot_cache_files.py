@@ -180,3 +180,17 @@ def test_common_prefix_is_the_leading_run() -> None:
     assert kvstore.common_prefix(a, np.array([1, 2, 9], dtype=np.int32)) == 2
     assert kvstore.common_prefix(a, a[:2]) == 2
     assert kvstore.common_prefix(a, np.array([], dtype=np.int32)) == 0
+
+
+def test_a_sliding_window_model_restores_an_entry_only_from_its_whole_length(
+    tmp_path: Path,
+) -> None:
+    """A saved state keeps only the window's last positions of its SWA layers: a prompt that
+    diverges inside the entry cannot use it (llama.cpp would lack the positions it attends)."""
+    c = cache(tmp_path)
+    c.save([image("ann", conv(40))], 1 << 30, FAR)
+    c.n_swa = 16
+    assert c.best([*conv(40), 1], Asker("ann")) is not None
+    assert c.best([*conv(30), 1], Asker("ann")) is None
+    c.n_swa = 64  # the whole entry within the window: any prefix of it is whole there
+    assert c.best([*conv(30), 1], Asker("ann")) is not None

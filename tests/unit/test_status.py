@@ -53,3 +53,20 @@ def test_status_shows_each_devices_ledger_and_when_a_gone_host_was_last_seen() -
     assert "memory  h/cpu 400 MiB of 1000 MiB (a 400)" in out
     assert "memory  g/cuda:0 0 MiB no budget" in out
     assert "worker  old cpu GONE (last seen " in out
+
+
+def test_status_shows_the_disk_each_hosts_slot_caches_use() -> None:
+    rec = record({})
+    models = rec["models"]
+    assert isinstance(models, list)
+    models[0]["cache"] = {"entries": 3, "bytes": 30 << 20, "hits": 2}
+    rec["workers"] = [
+        {
+            "host": "h",
+            "devices": ["cpu"],
+            "alive": True,
+            "slot_cache": {"dir": "/data/slot-cache", "entries": 3, "bytes": 30 << 20},
+        }
+    ]
+    out = render_status(rec)
+    assert "cache   h 30.0 MiB in 3 saved slot(s) at /data/slot-cache (a 3)" in out
