@@ -337,8 +337,9 @@ class CacheSettings(_Strict):
     disk_mb: int = _key(
         4096,
         LIVE,
-        "disk the saved slot caches of a host may use, in MiB; the least recently used go "
-        "first; a save that does not fit is skipped; 0 = no slot is saved or restored",
+        "disk the saved slot caches of a host may use, in MiB; the least recently used entry "
+        "of the user holding the most goes first; a save that does not fit is skipped; 0 = no "
+        "slot is saved or restored",
         ge=0,
         le=1 << 24,
     )

@@ -88,10 +88,17 @@ def model_dir(root: Path, model: str) -> Path:
     return root / model
 
 
+def owner_tag(owner: str) -> str:
+    """What an entry's file name says of its owner (a digest: no user name on disk names)."""
+    return hashlib.sha256(b"owner\0" + owner.encode("utf-8")).hexdigest()[:12]
+
+
 def entry_name(owner: str, tokens: np.ndarray) -> str:
-    """One file per (owner, tokens): the same slot saved again replaces its entry."""
+    """One file per (owner, tokens): the same slot saved again replaces its entry. The name
+    starts with the owner's tag, so the budget can share the disk between owners without
+    reading a file."""
     h = hashlib.sha256(owner.encode("utf-8") + b"\0" + tokens.astype("<i4").tobytes())
-    return h.hexdigest()[:40] + SUFFIX
+    return f"{owner_tag(owner)}-{h.hexdigest()[:40]}{SUFFIX}"
 
 
 def encode(
@@ -235,12 +242,14 @@ def usage(root: Path) -> tuple[int, int]:
 
 
 def make_room(root: Path, need: int, budget: int, keep: frozenset[Path] = frozenset()) -> bool:
-    """Delete the least recently used entries of the folder until ``need`` more bytes fit in
-    ``budget``; False (nothing deleted) when they never could. ``keep``: entries not to delete
-    (the ones this save supersedes are deleted by it, not counted twice)."""
+    """Delete entries of the folder until ``need`` more bytes fit in ``budget``; False (nothing
+    deleted) when they never could. Each deletion takes the least recently used entry of the
+    owner whose entries hold the most bytes: one user's long conversations push out that user's
+    own older entries before anyone else's, and a box with one user is plain LRU. ``keep``:
+    entries not to delete (the ones this save supersedes are deleted by it)."""
     if need > budget:
         return False
-    files: list[tuple[float, int, Path]] = []
+    groups: dict[str, list[tuple[float, int, Path]]] = {}
     total = 0
     for f in _files(root):
         if not f.name.endswith(SUFFIX):
@@ -250,16 +259,21 @@ def make_room(root: Path, need: int, budget: int, keep: frozenset[Path] = frozen
         except FileNotFoundError:
             continue
         total += st.st_size
-        files.append((st.st_mtime, st.st_size, Path(f.path)))
-    files.sort()
-    for _mtime, size, path in files:
-        if total + need <= budget:
-            break
-        if path in keep:
-            continue
+        path = Path(f.path)
+        if path not in keep:
+            groups.setdefault(f.name.split("-", 1)[0], []).append((st.st_mtime, st.st_size, path))
+    held = {tag: sum(size for _, size, _ in files) for tag, files in groups.items()}
+    for files in groups.values():
+        files.sort(reverse=True)  # least recently used last: popped first
+    while total + need > budget and groups:
+        tag = max(groups, key=lambda t: (held[t], -groups[t][-1][0]))
+        _mtime, size, path = groups[tag].pop()
+        if not groups[tag]:
+            del groups[tag]
+        held[tag] -= size
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-            log.info("slot cache: %s out (least recently used, over the disk budget)", path)
+            log.info("slot cache: %s out (over the disk budget)", path)
         total -= size
     return total + need <= budget
 

@@ -194,3 +194,20 @@ def test_a_sliding_window_model_restores_an_entry_only_from_its_whole_length(
     assert c.best([*conv(30), 1], Asker("ann")) is None
     c.n_swa = 64  # the whole entry within the window: any prefix of it is whole there
     assert c.best([*conv(30), 1], Asker("ann")) is not None
+
+
+def test_the_budget_takes_from_the_owner_holding_the_most_first(tmp_path: Path) -> None:
+    """Ann's many entries push out her own oldest one, not bob's older single entry."""
+    c = cache(tmp_path)
+    saves = [("bob", 1000), ("ann", 2000), ("ann", 3000), ("ann", 4000)]
+    for age, (owner, start) in enumerate(saves):
+        tokens = conv(40, start)
+        c.save([image(owner, tokens, 10_000)], 1 << 30, FAR)
+        name = kvstore.entry_name(owner, np.asarray(tokens, dtype=np.int32))
+        os.utime(tmp_path / "a" / name, (1_000_000 + age, 1_000_000 + age))
+    budget = sum(p.stat().st_size for p in files(tmp_path))
+    assert c.save([image("ann", conv(40, 5000), 10_000)], budget, FAR).saved == 1
+    kept = cache(tmp_path)
+    assert kept.best([*conv(40, 1000), 1], Asker("bob")) is not None  # the oldest, kept
+    assert kept.best([*conv(40, 2000), 1], Asker("ann")) is None  # ann's oldest, out
+    assert kept.best([*conv(40, 5000), 1], Asker("ann")) is not None
