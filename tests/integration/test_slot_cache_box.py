@@ -227,3 +227,26 @@ def test_a_follow_up_sent_right_after_its_client_closed_the_stream_finds_its_own
     # Its own slot (waited for, or copied while it finished): at least the whole first turn
     # was cached, where a cold slot would have had nothing.
     assert cached(out) >= first_prompt
+
+
+def test_deleting_a_model_or_emptying_every_cache_removes_the_saved_slots(
+    start_pool: Callable[..., Pool], models_dir: Path
+) -> None:
+    pool = start(start_pool, models_dir)
+    c = client_for(pool)
+    spec = {"path": str(models_dir / "tiny2.gguf"), **KV}
+    assert c.put("/admin/models/d", json=spec, headers=ADMIN).status_code == 201
+    ask(c, first_turn(), model="d")
+    ask(c, first_turn(), model="a")  # d evicted: saved
+    pool.wait_for(lambda: pool.state("d") == "unloaded", what="d evicted")
+    assert len(entries(pool, "d")) == 1
+    assert c.delete("/admin/models/d", headers=ADMIN).status_code == 200
+    pool.wait_for(lambda: entries(pool, "d") == [], what="the deleted model's slots removed")
+
+    evict_a(pool, c)  # a saved; b loaded
+    assert len(entries(pool, "a")) == 1
+    assert c.delete("/admin/cache").status_code == 401  # the admin's only
+    resp = c.delete("/admin/cache", headers=ADMIN)
+    assert resp.status_code == 200 and resp.get_json()["cleared"] == "*"
+    pool.wait_for(lambda: entries(pool, "a") == [], what="every saved slot removed")
+    assert health_model(c, pool, "a")["cache"] == {"entries": 0, "bytes": 0, "hits": 0}
