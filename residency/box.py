@@ -209,12 +209,14 @@ def commit_change(
                     pipe.watch(read[0])
                     read[1](pipe)
                 pipe.multi()
-                op(pipe)
+                # The generation first: its reply's place does not depend on how many
+                # commands ``op`` queues (all of it is one MULTI: no reader sees them apart).
                 pipe.incr(keys.generation())
                 pipe.incr(keys.config_generation())
+                op(pipe)
                 audit(pipe, actor, action, detail)
                 pipe.rpush(keys.events(), json.dumps(Event(EventType.CONFIG).to_dict()))
-                return int(pipe.execute()[1])
+                return int(pipe.execute()[0])
             except redis.WatchError:
                 continue  # the watched hash changed meanwhile: check again
 

@@ -36,12 +36,15 @@ class Stepper:
         self.n_vocab = inner.n_vocab
         self._permits = threading.Semaphore(0)
         self.decoded = threading.Semaphore(0)
+        self.in_decode = threading.Event()  # set while the engine thread waits for a permit
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def decode(self) -> int:
+        self.in_decode.set()
         assert self._permits.acquire(timeout=WAIT_S), "the test never let a step through"
+        self.in_decode.clear()
         rc = self.inner.decode()
         self.decoded.release()
         return rc

@@ -250,3 +250,24 @@ def test_deleting_a_model_or_emptying_every_cache_removes_the_saved_slots(
     assert resp.status_code == 200 and resp.get_json()["cleared"] == "*"
     pool.wait_for(lambda: entries(pool, "a") == [], what="every saved slot removed")
     assert health_model(c, pool, "a")["cache"] == {"entries": 0, "bytes": 0, "hits": 0}
+
+
+def test_saved_slots_survive_a_model_process_crash(
+    start_pool: Callable[..., Pool], models_dir: Path
+) -> None:
+    import os
+    import signal
+
+    pool = start(start_pool, models_dir)
+    c = client_for(pool)
+    first = ask(c, first_turn())
+    evict_a(pool, c)
+    restored = ask(c, follow_up(first))
+    assert cached(restored) >= first["usage"]["prompt_tokens"]
+    pid = pool.pid("a")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)  # its slots die with it; what was saved before does not
+    pool.wait_for(lambda: pool.state("a") != "ready" or pool.pid("a") != pid, what="the crash seen")
+    again = ask(c, follow_up(first))
+    assert cached(again) >= first["usage"]["prompt_tokens"]
+    assert counter(pool, metrics.KV_RESTORES_TOTAL, model="a") == 2

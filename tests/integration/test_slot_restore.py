@@ -180,8 +180,8 @@ def test_a_shared_prefix_is_copied_from_a_busy_slot_instead_of_prefilled(
         i for i, (x, y) in enumerate(zip(ann.job.prompt, bob_prompt, strict=False)) if x != y
     )
     assert bob.job.cached == shared
-    ann.job.cancel()
     st.release_all()
+    ann.thread.join(WAIT_S)
     cold = load(tiny, parallel=1)
     try:
         alone = run(cold, bob_prompt, "bob")
@@ -211,3 +211,21 @@ def test_a_follow_up_waits_for_its_own_slot_that_is_finishing(
     assert rt.engine.waits == {"own": 1, "copied": 0, "cold": 0}
     assert second.job.cached == len(prompt) + len(seen)
     assert rt.engine.copied == 0
+
+
+def test_a_save_never_waits_past_its_bound_for_a_busy_engine_thread(
+    stepped: tuple[LlamaRuntime, Stepper],
+) -> None:
+    """The drain's save asks the engine thread for the slots' states; when that thread is held
+    (here: inside a decode the test does not let finish), the ask ends at its bound with
+    TimeoutError, and the unload goes on without a save."""
+    rt, st = stepped
+    busy = submit(rt, tokens(rt, SYSTEM), "ann", 50)
+    st.until(lambda: len(busy.tokens) >= 1)
+    # The engine thread is now held in its next decode, waiting for a permit that never comes.
+    assert st.in_decode.wait(WAIT_S)
+    with pytest.raises(TimeoutError):
+        rt.slot_images(MIN_SAVE_TOKENS, 0.2)
+    st.release_all()
+    busy.thread.join(WAIT_S)
+    assert busy.end == "length"
