@@ -219,15 +219,20 @@ def write_entry(
 
 
 def _files(root: Path) -> Iterator[os.DirEntry[str]]:
+    # An unreadable folder (gone, or its permissions changed) holds nothing usable: the
+    # heartbeat that reports it and the save that budgets it go on.
     try:
         models = list(os.scandir(root))
-    except FileNotFoundError:
+    except OSError:
         return
     for m in models:
         if not m.is_dir(follow_symlinks=False):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            yield from os.scandir(m.path)
+        try:
+            files = list(os.scandir(m.path))
+        except OSError:
+            continue
+        yield from files
 
 
 def usage(root: Path) -> tuple[int, int]:

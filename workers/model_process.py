@@ -159,7 +159,6 @@ class ModelProcess:
                 registry.check_path(self.spec.path, self.model_dirs)
             self.runtime.load(self.spec, self.device)
             self.parallel = self.runtime.parallel
-            self._open_cache()
         except Exception as e:
             if self.stop.is_set():
                 log.info("%s: load stopped by shutdown", self.model)
@@ -177,6 +176,8 @@ class ModelProcess:
         # seconds are taken: neither counts in them).
         footprint_bytes = memory.measured(self.device)
         estimate_bytes = ledger.estimated(self.spec, self.device, self.parallel)
+        # After the measure (the model's bytes, not the index's), before the first request.
+        self._open_cache()
         now = time.time()
         # The blocking connection of the queue reads, made now so that its id is published
         # with the state: a stop unblocks it from inside, an eviction from the coordinator.
@@ -243,9 +244,19 @@ class ModelProcess:
 
     def _open_cache(self) -> None:
         """Index the entries saved under this spec (and the current clear epochs), deleting
-        what cannot be restored; prompts may start from them while ``[cache] disk_mb`` > 0."""
+        what cannot be restored; prompts may start from them while ``[cache] disk_mb`` > 0. A
+        cache that cannot be opened is logged and left out: it never fails a load."""
         if self.cache_root is None or self.spec.type != "llm":
             return
+        try:
+            self._index_cache(self.cache_root)
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            log.exception("%s: its slot cache cannot be opened; loading without it", self.model)
+            self.slot_cache = None
+
+    def _index_cache(self, root: Path) -> None:
         every, mine = self.retrying(
             "read the slot cache epochs",
             lambda: self.r.hmget(keys.kvcache_epochs(), ["*", self.model]),
@@ -257,7 +268,7 @@ class ModelProcess:
             now = self.r.hmget(keys.kvcache_epochs(), ["*", self.model])
             return (int(now[0] or 0), int(now[1] or 0)) == (stamp.epoch_all, stamp.epoch_model)
 
-        cache = SlotCache(self.cache_root, self.model, stamp, fresh)
+        cache = SlotCache(root, self.model, stamp, fresh)
         cache.scan()
         self.slot_cache = cache
         try:
