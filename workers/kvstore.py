@@ -295,17 +295,17 @@ def disk_has_room(root: Path, need: int) -> bool:
     return free - need >= DISK_RESERVE_BYTES
 
 
-def sweep_tmp(folder: Path, now: float | None = None) -> int:
+def sweep_tmp(folder: Path, now: float | None = None, only: str | None = None) -> int:
     """Remove the temporary files of writers that died: those whose process is gone, or older
-    than STALE_TMP_S. Returns how many."""
+    than STALE_TMP_S (``only``: that file alone). Returns how many."""
     now = time.time() if now is None else now
     removed = 0
     try:
         files = list(os.scandir(folder))
-    except FileNotFoundError:
+    except OSError:
         return 0
     for f in files:
-        if TMP_MARK not in f.name:
+        if TMP_MARK not in f.name or (only is not None and f.name != only):
             continue
         pid_part = f.name.rsplit(TMP_MARK, 1)[1].split(".", 1)[0]
         try:
@@ -354,12 +354,15 @@ def head_epochs(path: Path) -> tuple[int, int] | None:
 
 def purge_cleared(root: Path, epochs: dict[str, int]) -> int:
     """Delete every entry of the folder saved before a clear (``epochs``: ``"*"`` and each
-    model's current clear epoch, 0 when never cleared), and every file that is no entry.
-    Returns how many were deleted."""
+    model's current clear epoch, 0 when never cleared), every file that reads as no entry, and
+    the temporary files of writers that died. Returns how many were deleted."""
     every = epochs.get("*", 0)
     n = 0
     for f in _files(root):
         if not f.name.endswith(SUFFIX):
+            # A dead writer's temporary file (a model never loaded again is never scanned).
+            if TMP_MARK in f.name:
+                n += sweep_tmp(Path(f.path).parent, only=f.name)
             continue
         model = Path(f.path).parent.name
         got = head_epochs(Path(f.path))

@@ -173,6 +173,14 @@ def test_the_agent_sweep_deletes_what_a_clear_made_stale(tmp_path: Path) -> None
     assert [p.parent.name for p in files(tmp_path)] == ["b"]
     assert kvstore.purge_cleared(tmp_path, {"*": 1, "a": 1}) == 1
     assert kvstore.usage(tmp_path) == (0, 0)
+    # A dead writer's temporary file in a folder no load will scan again goes too; a live
+    # writer's stays.
+    dead = tmp_path / "b" / f"x{kvstore.SUFFIX}{kvstore.TMP_MARK}999999999.ab"
+    live = tmp_path / "b" / f"y{kvstore.SUFFIX}{kvstore.TMP_MARK}{os.getpid()}.cd"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"half")
+    assert kvstore.purge_cleared(tmp_path, {"*": 1, "a": 1}) == 1
+    assert not dead.exists() and live.exists()
 
 
 def test_common_prefix_is_the_leading_run() -> None:
