@@ -99,9 +99,10 @@ def kvcache_epochs() -> str:
 
 
 def kvcache(name: str) -> str:
-    """hash, no TTL: a model's saved slot caches as its last process saw them: ``entries``,
-    ``bytes``, ``hits`` (restores used since that load), ``host``. Written by the model process
-    after its load's scan, each save and each restore; read into the health record."""
+    """hash, no TTL: a model's saved slot caches as its last process saw them: ``entries`` and
+    ``bytes`` (set), ``hits`` (restores, HINCRBY). Written by the model process after its
+    load's scan, each save and each restore; deleted with a clear of the model's cache; read
+    into the health record."""
     return f"{PREFIX}kvcache:{name}"
 
 

@@ -87,20 +87,28 @@ def get(r: redis.Redis, name: str) -> Entry | None:
     return Entry.loads(name, raw) if raw else None  # type: ignore[arg-type]
 
 
-def kv_layout(spec: ModelSpec) -> tuple[object, ...]:
+def kv_layout(spec: ModelSpec, parallel: int | None = None) -> tuple[object, ...]:
     """The fields of a spec a saved slot state depends on (the file, its type, the context and
-    slot layout, flash attention): a replacement that changes any of them clears the model's
-    saved slot caches."""
-    return (spec.path, spec.type, spec.n_ctx, spec.parallel, spec.flash_attn)
+    slot layout — ``parallel`` as loaded, else as configured —, flash attention): a replacement
+    that changes any of them clears the model's saved slot caches, and a load's spec digest
+    (``workers.slot_cache.spec_digest``) is made of them."""
+    slots = spec.parallel if parallel is None else parallel
+    return (spec.path, spec.type, spec.n_ctx, slots, spec.flash_attn)
 
 
-def put(r: redis.Redis, entry: Entry, actor: str, *, clear_cache: bool = False) -> int:
-    """Store ``entry``; with ``clear_cache`` (its KV layout changed), its saved slot caches
-    become stale in the same MULTI."""
+def put(r: redis.Redis, entry: Entry, actor: str) -> int:
+    """Store ``entry``; when it replaces one of another KV layout (``kv_layout``), its saved slot
+    caches become stale in the same MULTI (the stored entry is read under WATCH)."""
+    relaid: list[bool] = [False]
+
+    def check(pipe: Any) -> None:
+        raw = pipe.hget(keys.registry(), entry.name)
+        old = Entry.loads(entry.name, raw) if raw else None
+        relaid[0] = old is not None and kv_layout(old.spec) != kv_layout(entry.spec)
 
     def op(p: Any) -> None:
         p.hset(keys.registry(), entry.name, entry.dumps())
-        if clear_cache:
+        if relaid[0]:
             clear_slot_caches(p, entry.name)
 
     return commit_change(
@@ -110,6 +118,7 @@ def put(r: redis.Redis, entry: Entry, actor: str, *, clear_cache: bool = False) 
         entry.public(),
         op,
         absent=(keys.policies(), entry.name),  # a policy may not share the name
+        read=(keys.registry(), check),
     )
 
 
@@ -121,13 +130,13 @@ def delete(r: redis.Redis, name: str, actor: str) -> int:
     return commit_change(r, actor, "model.delete", {"name": name}, op)
 
 
-def clear_slot_caches(p: Any, name: str | None) -> None:
+def clear_slot_caches(p: Any, name: str | None, records: Iterable[str] = ()) -> None:
     """Queue on ``p``: the saved slot caches of ``name`` (None: of every model) are stale from
-    now on (never restored; deleted by the agent of each host at its next heartbeat), and
-    their records say so."""
+    now on (never restored; deleted by the agent of each host at its next heartbeat), and the
+    cache records of ``name`` and of ``records`` (every model's, for None) say so."""
     p.hincrby(keys.kvcache_epochs(), "*" if name is None else name, 1)
-    if name is not None:
-        p.delete(keys.kvcache(name))
+    for n in {*records, *([name] if name is not None else [])}:
+        p.delete(keys.kvcache(n))
 
 
 class Missing(KeyError):

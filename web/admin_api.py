@@ -169,13 +169,10 @@ def put_model(name: str) -> Any:
         if not Path(resolved).is_file():
             raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
         spec = spec.model_copy(update={"path": resolved})
-    old = registry.get(st.r, name)
-    existed = old is not None
+    existed = registry.get(st.r, name) is not None
     entry = registry.Entry(name, spec, "admin")
-    # Saved slot states of another file or layout can never be restored: cleared now.
-    relaid = old is not None and registry.kv_layout(old.spec) != registry.kv_layout(spec)
     try:
-        gen = _changed(registry.put(st.r, entry, _actor(), clear_cache=relaid))
+        gen = _changed(registry.put(st.r, entry, _actor()))
     except NameTaken:
         raise _name_taken(name, "policy") from None
     return _stored("model", entry.public(), gen, existed)
@@ -219,12 +216,10 @@ def clear_cache() -> Any:
     model = request.args.get("model") or None
     if model is not None:
         _entry(model)
-    names = [model] if model else sorted(registry.all_entries(st.r))
+    every = () if model else registry.all_entries(st.r)
 
     def op(p: Any) -> None:
-        registry.clear_slot_caches(p, model)
-        for n in names:
-            p.delete(keys.kvcache(n))
+        registry.clear_slot_caches(p, model, every)
 
     gen = _changed(commit_change(st.r, _actor(), "cache.clear", {"model": model or "*"}, op))
     return jsonify({"cleared": model or "*", "generation": gen})

@@ -168,7 +168,8 @@ class _Task(Generic[T]):
     def run(self) -> None:
         try:
             self.result = self.fn()
-        except BaseException as e:  # handed to the caller, never kills the engine
+        except Exception as e:  # handed to the caller (logged: it may have stopped waiting)
+            log.warning("a call on the engine thread failed: %r", e)
             self.error = e
         finally:
             self.done.set()
@@ -218,10 +219,9 @@ class Job:
         self.asker = asker or Asker()
         self.on_progress = on_progress
         self.cached = 0  # prompt tokens reused from its slot's memory (set when it gets one)
-        # A saved state it may start from (dropped once it has a slot), and how it started:
-        # the plan's action, and the engine step it first waited at (for its own slot).
+        # A saved state it may start from (dropped once it has a slot), and the engine step it
+        # first waited at for its own slot (and which slot that was).
         self.restore = restore
-        self.started: Action | None = None
         self.wait_since: int | None = None
         self.waited_for = -1
         self.sampler: Any = None  # built by Engine.submit
@@ -494,7 +494,6 @@ class Engine:
         if job.wait_since is not None:
             own = p.action is Action.TAKE and p.slot == job.waited_for and keep > 0
             self.waits["own" if own else "copied" if p.action is Action.COPY else "cold"] += 1
-        job.started = p.action
         slot.owner = job.asker.owner
         slot.shareable = min(job.asker.shareable, len(job.prompt))
         slot.job = job
@@ -519,8 +518,8 @@ class Engine:
             self.restored += 1
         else:
             log.warning("llama.cpp refused a saved slot state; the prompt is prefilled")
-            slot.cached = [0]  # whatever the refusal left, _trim empties the sequence
-            keep = self._trim(slot, 0)
+            slot.cached = []
+            keep = self._trim(slot, 0)  # empties whatever the refusal left of the sequence
         r.done("refused" if not ok else "restored" if keep else "unused", keep, seconds)
         return keep
 

@@ -103,9 +103,11 @@ def entry_name(owner: str, tokens: np.ndarray) -> str:
 
 def encode(
     stamp: Stamp, owner: str, shareable: int, tokens: np.ndarray, state: bytes
-) -> tuple[bytes, bytes]:
-    """The file's bytes before the state, and the state (written after it, not copied)."""
+) -> tuple[bytes, str]:
+    """The file's bytes before the state (the state is written after them, not copied), and
+    the state's digest that they hold."""
     toks = tokens.astype("<i4").tobytes()
+    state_sum = hashlib.sha256(state).hexdigest()
     head = json.dumps(
         {
             "format": FORMAT,
@@ -116,13 +118,13 @@ def encode(
             "shareable": shareable,
             "n_tokens": len(tokens),
             "state_len": len(state),
-            "state_sum": hashlib.sha256(state).hexdigest(),
+            "state_sum": state_sum,
             "saved": int(time.time()),
         },
         separators=(",", ":"),
     ).encode("utf-8")
     body = _LEN.pack(len(head)) + head + toks
-    return MAGIC + hashlib.sha256(body).digest() + body, state
+    return MAGIC + hashlib.sha256(body).digest() + body, state_sum
 
 
 def read_entry(path: Path, stamp: Stamp) -> Entry:

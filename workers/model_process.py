@@ -568,9 +568,6 @@ class ModelProcess:
             self.shares.finished(req.user if req is not None else "")
             self._free.release()
             self._finished.set()
-        # A restore or copy it made, if any (on a Redis outage: counted with a later one).
-        with contextlib.suppress(*REDIS_DOWN):
-            self.publish_cache(force=False)
 
     def handle(self, raw: str, req: Request | None = None) -> None:
         """Serve one taken request to its last reply (``req``: ``raw`` already parsed)."""
@@ -639,6 +636,10 @@ class ModelProcess:
         # script (see finish.lua for the race that prevents), with the stream's last chunks
         # and the model's service time: one round trip. Retried through a Redis restart.
         service_s = None if served is None else self._served(served)
+        # A restore, copy or wait it made, counted before its client has the answer (no round
+        # trip when there is none; on a Redis outage, counted with a later request's).
+        with contextlib.suppress(*REDIS_DOWN):
+            self.publish_cache(force=False)
         self.retrying(
             "finish a request",
             lambda: self.scripts.finish(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from residency.registry import kv_layout
 from residency.settings import ModelSpec
 from workers import kvstore
 from workers.engine import Restore, SlotImage
@@ -38,9 +39,9 @@ MIN_SAVE_TOKENS = MIN_GAIN
 
 
 def spec_digest(spec: ModelSpec, parallel: int, state_format: str) -> str:
-    """What a saved state depends on: the model file (path, size, modification time), the
-    context and slot layout (a state holds each slot's stream: another ``parallel`` cannot
-    read it), flash attention (it changes how values are laid out) and the library that
+    """What a saved state depends on: the spec's KV layout (``registry.kv_layout`` with the
+    ``parallel`` loaded: a state holds each slot's stream, another ``parallel`` cannot read it),
+    the model file as it is on disk (real path, size, modification time) and the library that
     wrote it. Anything else may change without losing the cache."""
     path = spec.path or ""
     try:
@@ -49,11 +50,8 @@ def spec_digest(spec: ModelSpec, parallel: int, state_format: str) -> str:
     except OSError:
         stamp = [path, None, None]
     data = {
+        "layout": list(kv_layout(spec, parallel)),
         "file": stamp,
-        "type": spec.type,
-        "n_ctx": spec.n_ctx,
-        "parallel": parallel,
-        "flash_attn": spec.flash_attn,
         "format": [kvstore.FORMAT, state_format],
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32]
@@ -72,7 +70,7 @@ class Counts:
     bad: dict[str, int] = field(default_factory=dict)  # entries deleted: corrupt, stale
 
     def any(self) -> bool:
-        return bool(self.saves or self.skipped or self.restores or self.bad or self.restore_seconds)
+        return bool(self.saves or self.skipped or self.restores or self.bad)
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,6 @@ class SlotCache:
         self._entries: list[Entry] = []
         self._lock = threading.Lock()
         self._counts = Counts()
-        self.hits = 0  # restores used since load
         # The model's sliding window (0: none; set when attached to a runtime). A saved state
         # holds only the window's last positions of its SWA layers: it serves a prompt that
         # goes on from its whole length, no shorter prefix of it (``Engine._trim``).
@@ -201,7 +198,6 @@ class SlotCache:
             if outcome != "restored":
                 return
             with self._lock:
-                self.hits += 1
                 self._counts.restores += 1
                 self._counts.restored_tokens += tokens
                 self._counts.restore_seconds.append(read_s + seconds)
@@ -239,7 +235,8 @@ class SlotCache:
                 continue
             tokens = np.asarray(img.tokens, dtype=np.int32)
             name = kvstore.entry_name(img.owner, tokens)
-            head, state = kvstore.encode(self.stamp, img.owner, img.shareable, tokens, img.data)
+            state = img.data
+            head, state_sum = kvstore.encode(self.stamp, img.owner, img.shareable, tokens, state)
             size = len(head) + len(state)
             older = self._superseded(img.owner, tokens, self.folder / name)
             # What this entry replaces is deleted once it is written: counted as room now.
@@ -268,10 +265,7 @@ class SlotCache:
                     p.unlink()
             saved += 1
             total += size
-            try:
-                entry = kvstore.read_entry(path, self.stamp)
-            except (Corrupt, Stale, OSError):
-                continue
+            entry = Entry(path, tokens, img.owner, img.shareable, len(state), state_sum, size)
             with self._lock:
                 self._entries = [e for e in self._entries if e.path != path and e.path not in older]
                 self._entries.append(entry)

@@ -9,6 +9,7 @@ interface, real decoding, the order decided by the test instead of the scheduler
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -80,18 +81,30 @@ def tiny(models_dir: Path) -> Path:
     return models_dir / "tiny0.gguf"
 
 
-@pytest.fixture
-def stepped(tiny: Path) -> Iterator[tuple[LlamaRuntime, Stepper]]:
+@contextlib.contextmanager
+def stepped_runtime(
+    path: Path, parallel: int, n_ctx: int
+) -> Iterator[tuple[LlamaRuntime, Stepper]]:
+    """A runtime whose real backend sits behind a ``Stepper``; closed (every step let through
+    first) on exit."""
     holder: list[Stepper] = []
 
     def wrap(b: Backend) -> Backend:
         holder.append(Stepper(b))
         return holder[0]
 
-    rt = runtime(tiny, parallel=5, n_ctx=2048, wrap=wrap)
-    yield rt, holder[0]
-    holder[0].release_all()
-    rt.close()
+    rt = runtime(path, parallel=parallel, n_ctx=n_ctx, wrap=wrap)
+    try:
+        yield rt, holder[0]
+    finally:
+        holder[0].release_all()
+        rt.close()
+
+
+@pytest.fixture
+def stepped(tiny: Path) -> Iterator[tuple[LlamaRuntime, Stepper]]:
+    with stepped_runtime(tiny, parallel=5, n_ctx=2048) as pair:
+        yield pair
 
 
 class Collector:

@@ -80,6 +80,17 @@ def evict_a(pool: Pool, c: FlaskClient) -> None:
     pool.wait_for(lambda: pool.state("a") == "unloaded", what="a evicted")
 
 
+def saved_first_turn(
+    start_pool: Callable[..., Pool], models_dir: Path
+) -> tuple[Pool, FlaskClient, dict[str, Any]]:
+    """A box whose model a answered the first turn and was then evicted (its slot saved)."""
+    pool = start(start_pool, models_dir)
+    c = client_for(pool)
+    first = ask(c, first_turn())
+    evict_a(pool, c)
+    return pool, c, first
+
+
 def entries(pool: Pool, model: str = "a") -> list[Path]:
     return sorted((pool.box.data_dir / "slot-cache" / model).glob("*.kvc"))
 
@@ -97,10 +108,7 @@ def health_model(c: FlaskClient, pool: Pool, name: str) -> dict[str, Any]:
 def test_a_conversation_survives_its_models_eviction_and_answers_as_a_cold_one(
     start_pool: Callable[..., Pool], models_dir: Path
 ) -> None:
-    pool = start(start_pool, models_dir)
-    c = client_for(pool)
-    first = ask(c, first_turn())
-    evict_a(pool, c)
+    pool, c, first = saved_first_turn(start_pool, models_dir)
     assert len(entries(pool)) == 1
     assert counter(pool, metrics.KV_SAVES_TOTAL, model="a", outcome="saved") == 1
 
@@ -172,10 +180,7 @@ def test_scope_user_never_restores_another_users_entry(
 def test_a_spec_change_never_restores_an_old_entry(
     start_pool: Callable[..., Pool], models_dir: Path
 ) -> None:
-    pool = start(start_pool, models_dir)
-    c = client_for(pool)
-    first = ask(c, first_turn())
-    evict_a(pool, c)
+    pool, c, first = saved_first_turn(start_pool, models_dir)
     assert len(entries(pool)) == 1
     spec = {"path": str(models_dir / "tiny0.gguf"), "n_ctx": 1024, "parallel": 1}
     resp = c.put("/admin/models/a", json=spec, headers=ADMIN)
@@ -258,10 +263,7 @@ def test_saved_slots_survive_a_model_process_crash(
     import os
     import signal
 
-    pool = start(start_pool, models_dir)
-    c = client_for(pool)
-    first = ask(c, first_turn())
-    evict_a(pool, c)
+    pool, c, first = saved_first_turn(start_pool, models_dir)
     restored = ask(c, follow_up(first))
     assert cached(restored) >= first["usage"]["prompt_tokens"]
     pid = pool.pid("a")

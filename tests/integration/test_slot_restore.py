@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from residency.settings import ModelSpec
-from tests.integration.test_engine import WAIT_S, Collector, Stepper
-from workers.engine import Backend, Job, Sampling
+from tests.integration.test_engine import WAIT_S, Collector, Stepper, stepped_runtime
+from workers.engine import Job, Sampling
 from workers.kvstore import Stamp
 from workers.runtime import LlamaRuntime
 from workers.slot_cache import MIN_SAVE_TOKENS, SlotCache, spec_digest
@@ -25,8 +25,8 @@ from workers.slots import Asker
 SYSTEM = "You are the helpdesk of " + " ".join(f"dept{j}" for j in range(20))
 
 
-def load(path: Path, parallel: int = 2, n_ctx: int = 1024, **kw: object) -> LlamaRuntime:
-    rt = LlamaRuntime(**kw)  # type: ignore[arg-type]
+def load(path: Path, parallel: int = 2, n_ctx: int = 1024) -> LlamaRuntime:
+    rt = LlamaRuntime()
     rt.load(ModelSpec(path=str(path), n_ctx=n_ctx, parallel=parallel), "cpu")
     return rt
 
@@ -67,17 +67,24 @@ def save(rt: LlamaRuntime, c: SlotCache) -> None:
     c.save(rt.slot_images(MIN_SAVE_TOKENS, WAIT_S), 1 << 30, time.monotonic() + WAIT_S)
 
 
-def test_a_restored_conversation_prefills_only_its_new_tokens_and_answers_as_a_cold_one(
-    tiny: Path, tmp_path: Path
-) -> None:
+def saved_turn(tiny: Path, root: Path, text: str) -> tuple[list[int], Job]:
+    """``text`` asked by ann on a model with two slots, whose slots are then saved into
+    ``root`` and the model unloaded: the prompt's tokens and the finished job."""
     rt = load(tiny)
     try:
-        c = attach(rt, tmp_path, tiny, 2)
-        turn1 = tokens(rt, SYSTEM + " question one")
-        first = run(rt, turn1, "ann")
+        c = attach(rt, root, tiny, 2)
+        prompt = tokens(rt, SYSTEM + text)
+        job = run(rt, prompt, "ann")
         save(rt, c)
     finally:
         rt.close()
+    return prompt, job
+
+
+def test_a_restored_conversation_prefills_only_its_new_tokens_and_answers_as_a_cold_one(
+    tiny: Path, tmp_path: Path
+) -> None:
+    turn1, first = saved_turn(tiny, tmp_path, " question one")
     held = turn1 + first.out_tokens[:-1]  # the last sampled token was never decoded
     warm = load(tiny)
     try:
@@ -102,14 +109,7 @@ def test_a_restored_conversation_prefills_only_its_new_tokens_and_answers_as_a_c
 
 
 def test_another_users_entry_is_never_restored_under_scope_user(tiny: Path, tmp_path: Path) -> None:
-    rt = load(tiny)
-    try:
-        c = attach(rt, tmp_path, tiny, 2)
-        prompt = tokens(rt, SYSTEM + " a secret question")
-        run(rt, prompt, "ann")
-        save(rt, c)
-    finally:
-        rt.close()
+    prompt, _ = saved_turn(tiny, tmp_path, " a secret question")
     rt = load(tiny)
     try:
         attach(rt, tmp_path, tiny, 2)
@@ -125,14 +125,7 @@ def test_another_users_entry_is_never_restored_under_scope_user(tiny: Path, tmp_
 def test_an_entry_saved_under_another_slot_layout_is_never_restored(
     tiny: Path, tmp_path: Path, change: dict[str, int]
 ) -> None:
-    rt = load(tiny)
-    try:
-        c = attach(rt, tmp_path, tiny, 2)
-        prompt = tokens(rt, SYSTEM + " layout")
-        run(rt, prompt, "ann")
-        save(rt, c)
-    finally:
-        rt.close()
+    prompt, _ = saved_turn(tiny, tmp_path, " layout")
     parallel, n_ctx = change.get("parallel", 2), change.get("n_ctx", 1024)
     rt = load(tiny, parallel=parallel, n_ctx=n_ctx)
     try:
@@ -146,16 +139,8 @@ def test_an_entry_saved_under_another_slot_layout_is_never_restored(
 
 @pytest.fixture
 def stepped(tiny: Path) -> Iterator[tuple[LlamaRuntime, Stepper]]:
-    holder: list[Stepper] = []
-
-    def wrap(b: Backend) -> Backend:
-        holder.append(Stepper(b))
-        return holder[0]
-
-    rt = load(tiny, parallel=3, n_ctx=1024, wrap=wrap)
-    yield rt, holder[0]
-    holder[0].release_all()
-    rt.close()
+    with stepped_runtime(tiny, parallel=3, n_ctx=1024) as pair:
+        yield pair
 
 
 def submit(rt: LlamaRuntime, prompt: list[int], user: str, n: int, **asker: object) -> Collector:
