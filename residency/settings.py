@@ -373,6 +373,32 @@ FlashAttn = Literal["auto", "on", "off"]
 MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 
 
+#: ``[models.X] tool_format``: how a model writes a tool call in its text. "hermes":
+#: ``<tool_call>{json}</tool_call>`` (Hermes, Qwen 2.5/3); "llama3": ``<|python_tag|>`` or a
+#: whole-JSON answer (Llama 3.1+); "mistral": ``[TOOL_CALLS]`` (Mistral, Magistral, Devstral);
+#: "qwen3_coder": ``<function=…><parameter=…>`` XML (Qwen3-Coder); "harmony": gpt-oss's
+#: ``to=functions.…`` channel messages.
+ToolFormat = Literal["auto", "hermes", "llama3", "mistral", "qwen3_coder", "harmony"]
+TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
+
+
+def reasoning_markers(value: str) -> tuple[str, str] | None:
+    """``[models.X] reasoning`` as an (opening, closing) marker pair; None for "auto" and
+    "none" (the caller decides those). The closer of ``<tag>`` is ``</tag>``, of ``[TAG]``
+    ``[/TAG]``; anything else is refused."""
+    if value in ("auto", "none"):
+        return None
+    m = re.fullmatch(r"<([^<>/\s][^<>\s]*)>|\[([^\[\]/\s][^\[\]\s]*)\]", value)
+    if m is None:
+        raise ValueError(
+            f"'reasoning' must be \"auto\", \"none\" or an opening marker such as \"<think>\" or "
+            f"\"[THINK]\" (its closer is derived); got {value!r}"
+        )
+    if m.group(1) is not None:
+        return value, f"</{m.group(1)}>"
+    return value, f"[/{m.group(2)}]"
+
+
 class ModelSpec(_Strict):
     """One registered model: a local GGUF (``path``; its parameters take effect at its next
     load) or a remote OpenAI-compatible endpoint (``base_url``; forwarded, never loaded here,
@@ -396,6 +422,16 @@ class ModelSpec(_Strict):
     # submits, so it takes effect at once, not at the next load.
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     chat_format: str | None = None
+    # A vision projector GGUF (libmtmd) loaded beside the model: the model then reads images.
+    # Same path rules as ``path``; takes effect at the next load.
+    mmproj: str | None = Field(None, min_length=1)
+    # How the model's reasoning is told apart from its answer: "auto" (the markers its chat
+    # template uses: <think>, [THINK], gpt-oss's channels), "none" (all of it is the answer),
+    # or an opening marker ("<think>", "[THINK]") whose closer is derived ("</think>").
+    reasoning: str = Field("auto", min_length=1, max_length=64)
+    # The text format of the model's tool calls: "auto" (from its chat template), or one of
+    # TOOL_FORMATS.
+    tool_format: ToolFormat = "auto"
     # Requests decoded together (continuous batching), each in its own slot with n_ctx tokens
     # of context: the context allocated is n_ctx x parallel. None: the device kind's default
     # (workers.devices.default_parallel). Embedding and rerank models serve one request at a
@@ -418,6 +454,12 @@ class ModelSpec(_Strict):
             check_remote_key_env(v)
         return v
 
+    @field_validator("reasoning")
+    @classmethod
+    def _reasoning(cls, v: str) -> str:
+        reasoning_markers(v)  # raises on a marker whose closer cannot be derived
+        return v
+
     @model_validator(mode="after")
     def _local_or_remote(self) -> ModelSpec:
         if (self.path is None) == (self.base_url is None):
@@ -428,6 +470,10 @@ class ModelSpec(_Strict):
             raise ValueError("'max_tokens' applies to local models only")
         if self.base_url is not None and self.parallel is not None:
             raise ValueError("'parallel' applies to local models only")
+        if self.base_url is not None and self.mmproj is not None:
+            raise ValueError("'mmproj' applies to local models only (a remote one sees for itself)")
+        if self.mmproj is not None and self.type != "llm":
+            raise ValueError("'mmproj' applies to llm models only")
         if self.base_url is not None and (self.ttl_s or self.preload):
             raise ValueError("'ttl_s' and 'preload' apply to local models only")
         if self.ttl_s and self.preload:
