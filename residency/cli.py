@@ -332,10 +332,19 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
             rerank=args.rerank,
             shape=shape,
         )
+        proj = None
+        if args.mmproj is not None:
+            from residency.tinyprojector import write_tiny_projector
+
+            if args.embedding or args.rerank:
+                raise ValueError("--mmproj is for a chat model, not an embedding model or reranker")
+            proj = write_tiny_projector(args.mmproj, n_embd_text=shape.n_embd, seed=args.seed)
     except ValueError as e:
         print(f"tiny-model: {e}", file=sys.stderr)
         return 2
     print(p)
+    if proj is not None:
+        print(proj)
     return 0
 
 
@@ -437,6 +446,12 @@ def parser() -> argparse.ArgumentParser:
     kind = tm.add_mutually_exclusive_group()
     kind.add_argument("--embedding", action="store_true")
     kind.add_argument("--rerank", action="store_true", help="a reranker (rank pooling)")
+    tm.add_argument(
+        "--mmproj",
+        type=Path,
+        metavar="PROJ.gguf",
+        help="also write a tiny vision projector for it (serve it with [models.X] mmproj)",
+    )
     tm.set_defaults(func=cmd_tiny_model)
     return ap
 

@@ -277,12 +277,13 @@ def estimate(
 
 def spec_digest(
     *, path: str, size: int, model_type: str, n_ctx: int, slots: int, n_batch: int,
-    n_gpu_layers: int, device: str,
+    n_gpu_layers: int, device: str, mmproj: tuple[str, int] | None = None,
 ) -> str:  # fmt: skip
     """What a measured footprint depends on: a measurement under another digest (another file,
-    context, slot count, offload or device kind) says nothing about the next load."""
+    context, slot count, offload, device kind or vision projector: ``mmproj`` is its path and
+    size) says nothing about the next load."""
     kind = device_kind(device)
-    fields = {
+    fields: dict[str, object] = {
         "path": path,
         "size": size,
         "type": model_type,
@@ -292,6 +293,8 @@ def spec_digest(
         "n_gpu_layers": n_gpu_layers if kind != "cpu" else 0,
         "device": kind,
     }
+    if mmproj is not None:  # absent without one: digests measured before projectors still hold
+        fields["mmproj"] = list(mmproj)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

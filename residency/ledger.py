@@ -71,7 +71,7 @@ def estimated(spec: ModelSpec, device: str, n_slots: int | None = None) -> int |
             model_type=spec.type,
             n_gpu_layers=gpu_layers(spec, device),
             device=device,
-        ).total
+        ).total + projector_bytes(spec)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("no footprint estimate for %s: %s", spec.path, e)
         return None
@@ -95,7 +95,20 @@ def digest(spec: ModelSpec, device: str, n_slots: int | None = None) -> str | No
         n_batch=spec.n_batch,
         n_gpu_layers=gpu_layers(spec, device),
         device=device,
+        mmproj=None if spec.mmproj is None else (spec.mmproj, projector_bytes(spec)),
     )
+
+
+def projector_bytes(spec: ModelSpec) -> int:
+    """What a model's vision projector adds to its estimate: its file's size (its weights are
+    read whole, beside the model's, on the model's device); 0 without one, or when it is gone
+    (its load fails on its own)."""
+    if spec.mmproj is None:
+        return 0
+    try:
+        return os.stat(spec.mmproj).st_size
+    except OSError:
+        return 0
 
 
 def expected(spec: ModelSpec, device: str, recorded: dict[str, str] | None) -> int | None:

@@ -89,11 +89,12 @@ def get(r: redis.Redis, name: str) -> Entry | None:
 
 def kv_layout(spec: ModelSpec, parallel: int | None = None) -> tuple[object, ...]:
     """The fields of a spec a saved slot state depends on (the file, its type, the context and
-    slot layout — ``parallel`` as loaded, else as configured —, flash attention): a replacement
-    that changes any of them clears the model's saved slot caches, and a load's spec digest
-    (``workers.slot_cache.spec_digest``) is made of them."""
+    slot layout — ``parallel`` as loaded, else as configured —, flash attention, the vision
+    projector that made an image's KV): a replacement that changes any of them clears the
+    model's saved slot caches, and a load's spec digest (``workers.slot_cache.spec_digest``) is
+    made of them."""
     slots = spec.parallel if parallel is None else parallel
-    return (spec.path, spec.type, spec.n_ctx, slots, spec.flash_attn)
+    return (spec.path, spec.type, spec.n_ctx, slots, spec.flash_attn, spec.mmproj)
 
 
 def put(r: redis.Redis, entry: Entry, actor: str) -> int:

@@ -353,6 +353,54 @@ class CacheSettings(_Strict):
     )
 
 
+class ImageSettings(_Strict):
+    """What web takes of a chat request's images for a local model (a remote model's request
+    is forwarded whole: its upstream fetches and judges them)."""
+
+    max_per_request: int = _key(
+        8,
+        LIVE,
+        "image parts one request may hold, all its messages together; more is 400",
+        ge=1,
+        le=256,
+    )
+    max_bytes: int = _key(
+        10 << 20,
+        LIVE,
+        "largest image in bytes, fetched from a URL or sent in a data: URL; larger is 400",
+        ge=1024,
+        le=1 << 28,
+    )
+    max_request_bytes: int = _key(
+        10 << 20,
+        LIVE,
+        "the bytes of all one request's fetched images together (they are queued with it, in "
+        "Redis, as data: URLs); more is 400",
+        ge=1024,
+        le=1 << 30,
+    )
+    fetch_timeout_s: float = _key(
+        20.0,
+        LIVE,
+        "longest web spends fetching one request's http(s) image URLs, all of them, from the "
+        "first connection to the last byte; then 400",
+        gt=0,
+        le=600,
+    )
+    allow_local_urls: bool = _key(
+        False,
+        LIVE,
+        "let image URLs be fetched from loopback, link-local and unspecified addresses (this "
+        "host and its link)",
+    )
+    allow_private_urls: bool = _key(
+        False,
+        LIVE,
+        "let image URLs be fetched from the private ranges (10/8, 172.16/12, 192.168/16, "
+        "fc00::/7) and CGNAT (100.64/10)",
+    )
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address, an IPv6 one bracketed or not) is reachable from
     this machine only: ``localhost`` or a loopback address (127.0.0.0/8, ::1). Any other name
@@ -391,8 +439,8 @@ def reasoning_markers(value: str) -> tuple[str, str] | None:
     m = re.fullmatch(r"<([^<>/\s][^<>\s]*)>|\[([^\[\]/\s][^\[\]\s]*)\]", value)
     if m is None:
         raise ValueError(
-            f"'reasoning' must be \"auto\", \"none\" or an opening marker such as \"<think>\" or "
-            f"\"[THINK]\" (its closer is derived); got {value!r}"
+            f'\'reasoning\' must be "auto", "none" or an opening marker such as "<think>" or '
+            f'"[THINK]" (its closer is derived); got {value!r}'
         )
     if m.group(1) is not None:
         return value, f"</{m.group(1)}>"
@@ -501,6 +549,7 @@ class Settings(_Strict):
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
     cache: CacheSettings = CacheSettings()
+    images: ImageSettings = ImageSettings()
     models: dict[str, ModelSpec] = {}
     # Router policies, as written; checked against ``models`` by ``_policies`` below and kept
     # raw because the registry (not this file) is what they are finally resolved against.
@@ -538,6 +587,7 @@ SECTIONS: dict[str, type[_Strict]] = {
     "auth": AuthSettings,
     "metrics": MetricsSettings,
     "cache": CacheSettings,
+    "images": ImageSettings,
 }
 
 

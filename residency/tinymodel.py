@@ -42,10 +42,12 @@ run where llama.cpp is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -138,9 +140,11 @@ _WORDS: Final = (
 )  # fmt: skip
 
 
-def _vocab(n_vocab: int | None = None) -> tuple[list[str], list[float], list[int]]:
+def _vocab(
+    n_vocab: int | None = None, control: tuple[str, ...] = ()
+) -> tuple[list[str], list[float], list[int]]:
     """Return (tokens, scores, token types) of the ~400-token SPM vocab, padded to ``n_vocab``
-    tokens when given."""
+    tokens when given, then the ``control`` tokens."""
     tokens: list[str] = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     types: list[int] = [
         gguf.TokenType.UNKNOWN,
@@ -177,6 +181,13 @@ def _vocab(n_vocab: int | None = None) -> tuple[list[str], list[float], list[int
         types.append(gguf.TokenType.NORMAL)
         scores.append(-float(rank))
 
+    for piece in control:
+        if piece in tokens:
+            raise ValueError(f"{piece!r} is in the vocabulary already")
+        tokens.append(piece)
+        types.append(gguf.TokenType.CONTROL)
+        scores.append(0.0)
+
     return tokens, scores, types
 
 
@@ -198,6 +209,7 @@ def _add_metadata(
     rerank: bool = False,
     chat_template: str | None = CHATML_TEMPLATE,
     shape: Shape = TINY,
+    space_prefix: bool = True,
 ) -> None:
     writer.add_name(MODEL_NAME)
     writer.add_file_type(_FILE_TYPES[dtype])
@@ -237,6 +249,8 @@ def _add_metadata(
         writer.add_add_sep_token(value=True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if not space_prefix:
+        writer.add_add_space_prefix(False)
 
 
 def _add_tensors(
@@ -299,6 +313,7 @@ def write_tiny_model(
     rerank: bool = False,
     chat_template: str | None = CHATML_TEMPLATE,
     shape: Shape = TINY,
+    control_tokens: tuple[str, ...] = (),
 ) -> pathlib.Path:
     """Write a tiny random llama GGUF model to ``path`` and return the path.
 
@@ -310,9 +325,12 @@ def write_tiny_model(
     vector per token). ``rerank=True`` writes a reranker (see the module
     docstring) for llama.cpp's rank pooling. ``chat_template`` replaces the
     ChatML template (e.g. one that takes ``tools``; None: the GGUF carries
-    none). The file is written to a temporary sibling and then renamed over
-    ``path``, so concurrent writers never expose a partial file. Missing parent
-    directories are created.
+    none). ``control_tokens`` are added at the end of the vocabulary as
+    control tokens (markers such as ``<think>``, which llama.cpp renders as
+    nothing unless asked to); the tokens before them keep their ids, and the
+    text gets no SentencePiece space prefix. The file is written to a
+    temporary sibling and then renamed over ``path``, so concurrent writers
+    never expose a partial file. Missing parent directories are created.
     """
     if dtype not in _FILE_TYPES:
         msg = f"unsupported dtype {dtype!r}; expected 'f32', 'f16' or 'q8_0'"
@@ -321,12 +339,8 @@ def write_tiny_model(
         raise ValueError("a tiny model is an embedding model or a reranker, not both")
 
     out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    tokens, scores, types = _vocab(shape.n_vocab)
-
-    writer = gguf.GGUFWriter(tmp, RERANK_ARCH if rerank else ARCH)
-    try:
+    tokens, scores, types = _vocab(shape.n_vocab, control_tokens)
+    with gguf_file(out, RERANK_ARCH if rerank else ARCH) as writer:
         _add_metadata(
             writer,
             tokens=tokens,
@@ -337,6 +351,9 @@ def write_tiny_model(
             rerank=rerank,
             chat_template=chat_template,
             shape=shape,
+            # SentencePiece puts a space before the text that follows a special token: a model
+            # with markers of its own writes none, as the BPE vocabularies that have them do.
+            space_prefix=not control_tokens,
         )
         _add_tensors(
             writer,
@@ -346,6 +363,19 @@ def write_tiny_model(
             rerank=rerank,
             shape=shape,
         )
+    return out
+
+
+@contextlib.contextmanager
+def gguf_file(out: pathlib.Path, arch: str) -> Iterator[gguf.GGUFWriter]:
+    """A writer for a GGUF at ``out`` (parent folders made): what is added inside the block is
+    written to a temporary sibling, then renamed over ``out``, so concurrent writers never
+    expose a partial file; an error leaves nothing behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -355,4 +385,3 @@ def write_tiny_model(
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    return out

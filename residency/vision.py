@@ -1,12 +1,11 @@
 """Whether a chat request's images can reach the model that serves it (pure: no Redis, no
 llama.cpp).
 
-A model sees images only through a vision projector loaded beside it. No local model loads one
-yet (a ``ModelSpec`` has no projector), so a local model reads text only, and a chat request
-holding an ``image_url`` part (chat; Responses' ``input_image`` and Messages' ``image`` blocks
-arrive as such parts) is refused with 400 naming the model, rather than answered from its text
-with the images dropped. A remote model's upstream decides for itself: its request is forwarded
-whole.
+A local model sees images only through a vision projector loaded beside it (``[models.X]
+mmproj``). A chat request holding an ``image_url`` part (chat; Responses' ``input_image`` and
+Messages' ``image`` blocks arrive as such parts) for a model without one is refused with 400
+naming the model, rather than answered from its text with the images dropped. A remote model's
+upstream decides for itself: its request is forwarded whole.
 
 Web can refuse at resolve time, once it knows the entry (``refuse_images``), before a load or a
 queue place is spent on it; the model process refuses it anyway (a request routed or submitted
@@ -24,7 +23,7 @@ from residency.settings import ModelSpec
 
 def sees(spec: ModelSpec) -> bool:
     """Whether the model ``spec`` describes takes images."""
-    return spec.remote
+    return spec.remote or spec.mmproj is not None
 
 
 def first_image(messages: Any) -> tuple[int, int] | None:

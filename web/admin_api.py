@@ -161,14 +161,12 @@ def put_model(name: str) -> Any:
     except ValidationError as e:
         raise _spec_error(e) from None
     s = st.refresh().settings
-    if spec.path is not None:
-        try:
-            resolved = registry.check_path(spec.path, registry.model_dirs(st.box.models_dir, s))
-        except registry.PathNotAllowed as e:
-            raise errors.bad_request(str(e), "path", "path_not_allowed") from None
-        if not Path(resolved).is_file():
-            raise errors.bad_request(f"no model file at {resolved}", "path", "path_not_found")
-        spec = spec.model_copy(update={"path": resolved})
+    dirs = registry.model_dirs(st.box.models_dir, s)
+    # The model file and its projector both lie in the model directories, resolved.
+    for field, what in (("path", "model"), ("mmproj", "projector")):
+        given = getattr(spec, field)
+        if given is not None:
+            spec = spec.model_copy(update={field: _model_file(given, dirs, field, what)})
     existed = registry.get(st.r, name) is not None
     entry = registry.Entry(name, spec, "admin")
     try:
@@ -176,6 +174,17 @@ def put_model(name: str) -> Any:
     except NameTaken:
         raise _name_taken(name, "policy") from None
     return _stored("model", entry.public(), gen, existed)
+
+
+def _model_file(path: str, dirs: list[Path], field: str, what: str) -> str:
+    """``path`` resolved inside the model directories ``dirs``, or the 400 naming ``field``."""
+    try:
+        resolved = registry.check_path(path, dirs)
+    except registry.PathNotAllowed as e:
+        raise errors.bad_request(str(e), field, "path_not_allowed") from None
+    if not Path(resolved).is_file():
+        raise errors.bad_request(f"no {what} file at {resolved}", field, "path_not_found")
+    return resolved
 
 
 def _stored(kind: str, public: dict[str, Any], generation: int, existed: bool) -> Response:

@@ -8,9 +8,13 @@ error envelope (``error_body``).
 
 A user turn's ``image`` blocks become chat ``image_url`` parts (a base64 source as a data
 URL), so an image meets the same rule as in chat: a model that cannot see refuses it with 400
-naming the model (``residency.vision``). What has no counterpart here is refused with a 400
-naming the field (documents, images inside tool results or assistant turns, server tools,
-thinking, unknown top-level fields); ``metadata`` is accepted and ignored.
+naming the model (``residency.vision``). ``thinking`` becomes chat's ``reasoning_effort``
+(``thinking_effort``), an assistant turn's ``thinking`` blocks its ``reasoning_content``, and
+the answer's ``reasoning_content`` a ``thinking`` block before its text (with an empty
+``signature``: nothing here signs, and a block sent back is taken as it comes). What has no
+counterpart here is refused with a 400 naming the field (documents, images inside tool results
+or assistant turns, server tools, unknown top-level fields); ``metadata`` is accepted and
+ignored.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ from typing import Any
 from residency.errors import ApiError, bad_request
 from web.validation import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, wrong_type
 
-#: Top-level fields accepted and ignored: they change nothing this box does. No model here
-#: reasons (``thinking``), there is one service tier, and a conversation is never edited on the
-#: server (``context_management`` clears old tool results only past thresholds this box does
-#: not keep; the client's whole conversation reaches the model).
-IGNORED_FIELDS = frozenset({"context_management", "thinking", "service_tier"})
+#: Top-level fields accepted and ignored: they change nothing this box does. There is one
+#: service tier, and a conversation is never edited on the server (``context_management``
+#: clears old tool results only past thresholds this box does not keep; the client's whole
+#: conversation reaches the model).
+IGNORED_FIELDS = frozenset({"context_management", "service_tier"})
 #: Top-level fields of POST /v1/messages; anything else is refused by name.
 MESSAGE_FIELDS = frozenset(
     {
@@ -44,13 +48,31 @@ MESSAGE_FIELDS = frozenset(
         "tool_choice",
         "metadata",
         "output_config",
+        "thinking",
         *IGNORED_FIELDS,
     }
 )
-#: Top-level fields of POST /v1/messages/count_tokens.
+#: Top-level fields of POST /v1/messages/count_tokens (``thinking`` too: a template may render
+#: a prompt that asks for no reasoning differently).
 COUNT_FIELDS = frozenset(
-    {"model", "messages", "system", "tools", "tool_choice", "output_config", *IGNORED_FIELDS}
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "output_config",
+        "thinking",
+        *IGNORED_FIELDS,
+    }
 )
+#: ``thinking.type`` values; "adaptive" and "between_tools" leave the effort to the model.
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+#: Anthropic's least ``thinking.budget_tokens``.
+MIN_THINKING_BUDGET = 1024
+#: ``budget_tokens`` below each bound asks for that ``reasoning_effort``; from the last bound
+#: on, "high".
+THINKING_EFFORTS = ((4096, "low"), (16384, "medium"))
 #: ``output_config`` keys accepted and ignored (no model here has an effort setting).
 IGNORED_OUTPUT_CONFIG = frozenset({"effort"})
 
@@ -147,6 +169,9 @@ def to_chat(
     fmt = _output_config(body.get("output_config"), ignored)
     if fmt is not None:
         chat["response_format"] = fmt
+    effort = thinking_effort(body.get("thinking"), ignored)
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     tools = body.get("tools")
     server_tools: dict[str, str] = {}
     if tools is not None:
@@ -191,6 +216,45 @@ def _output_config(config: Any, ignored: list[str]) -> dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise wrong_type("output_config.format.schema", "an object", schema)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def thinking_effort(thinking: Any, ignored: list[str]) -> str | None:
+    """``thinking`` as chat's ``reasoning_effort``: enabled with a budget asks for "low",
+    "medium" or "high" by its size, disabled for "none"; adaptive (or none given) asks for
+    nothing, so the model reasons as it would. ``display`` is accepted and ignored: reasoning
+    is always shown."""
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict):
+        raise wrong_type("thinking", "an object", thinking)
+    kind = thinking.get("type")
+    if kind not in THINKING_TYPES:
+        raise bad_request(
+            f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}, got {kind!r}",
+            "thinking.type",
+        )
+    allowed = {"type", "display"} | ({"budget_tokens"} if kind == "enabled" else set())
+    for k in sorted(thinking):
+        if k not in allowed:
+            raise bad_request(
+                f"thinking.{k}: Extra inputs are not permitted", f"thinking.{k}", "unknown_field"
+            )
+    if thinking.get("display") is not None:
+        ignored.append("thinking.display")
+    if kind == "disabled":
+        return "none"
+    if kind != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise wrong_type("thinking.budget_tokens", "an integer", budget)
+    if budget < MIN_THINKING_BUDGET:
+        raise bad_request(
+            f"'thinking.budget_tokens' must be at least {MIN_THINKING_BUDGET}, got {budget}",
+            "thinking.budget_tokens",
+            "invalid_value",
+        )
+    return next((effort for bound, effort in THINKING_EFFORTS if budget < bound), "high")
 
 
 def _text(block: Mapping[str, Any], param: str) -> str:
@@ -362,7 +426,11 @@ def _tool_reference(part: Mapping[str, Any], param: str) -> str:
 
 
 def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
+    """An assistant turn: its text as the content, its ``tool_use`` blocks as tool calls, its
+    ``thinking`` blocks as ``reasoning_content``. A ``redacted_thinking`` block is dropped:
+    its data is another service's encrypted reasoning, which no model here can read."""
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, b in enumerate(blocks):
         bp = f"{param}[{j}]"
@@ -370,6 +438,13 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
         _no_media(kind, bp)
         if kind == "text":
             texts.append(_text(b, bp))
+        elif kind == "thinking":
+            thought = b.get("thinking")
+            if not isinstance(thought, str):
+                raise wrong_type(f"{bp}.thinking", "a string", thought)
+            thoughts.append(thought)
+        elif kind == "redacted_thinking":
+            continue
         elif kind == "tool_use":
             for key in ("id", "name"):
                 if not isinstance(b.get(key), str):
@@ -386,7 +461,8 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
             )
         else:
             raise bad_request(
-                f"'{bp}.type' must be 'text' or 'tool_use' in an assistant message, got {kind!r}",
+                f"'{bp}.type' must be 'text', 'tool_use', 'thinking' or 'redacted_thinking' in "
+                f"an assistant message, got {kind!r}",
                 f"{bp}.type",
             )
     out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
@@ -394,6 +470,8 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
         out["tool_calls"] = calls
     elif out["content"] is None:
         out["content"] = ""
+    if thoughts:
+        out["reasoning_content"] = "\n".join(thoughts)
     return out
 
 
@@ -512,11 +590,20 @@ def stop_reason(finish: str | None, stop_sequence: str | None, tool_use: bool) -
     return "end_turn"
 
 
+def thinking_block(text: str) -> dict[str, Any]:
+    # The signature proves a block came from Anthropic's model; a client sends it back as it
+    # came, and nothing here checks it: empty says there is none.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def to_message(resp: Mapping[str, Any], model: str) -> dict[str, Any]:
     """A whole chat completion as a Messages response."""
     choice = (resp.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    reasoning = msg.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        content.append(thinking_block(reasoning))
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for tc in msg.get("tool_calls") or []:
@@ -555,8 +642,9 @@ def to_message(resp: Mapping[str, Any], model: str) -> dict[str, Any]:
 class StreamEvents:
     """Chat chunks in, Anthropic stream events out, in Anthropic's order: ``message_start``
     (before anything else), per content block ``content_block_start``, its deltas and
-    ``content_block_stop`` (blocks one after another), then ``message_delta`` (the stop reason
-    and the usage) and ``message_stop`` (``end``). A quiet stream gets ``ping`` events."""
+    ``content_block_stop`` (blocks one after another: reasoning deltas make a ``thinking``
+    block, closed with its ``signature_delta``), then ``message_delta`` (the stop reason and
+    the usage) and ``message_stop`` (``end``). A quiet stream gets ``ping`` events."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -589,8 +677,13 @@ class StreamEvents:
     def _close(self) -> list[dict[str, Any]]:
         if self._open is None:
             return []
+        out: list[dict[str, Any]] = []
+        if self._open == "thinking":
+            # Anthropic's thinking block always ends with its signature, just before its stop.
+            signature = {"type": "signature_delta", "signature": ""}
+            out.append({"type": "content_block_delta", "index": self._index, "delta": signature})
         self._open = None
-        return [{"type": "content_block_stop", "index": self._index}]
+        return [*out, {"type": "content_block_stop", "index": self._index}]
 
     def _open_block(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         out = self._close()
@@ -622,6 +715,17 @@ class StreamEvents:
             }
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content")
+            if isinstance(thought, str) and thought:
+                if self._open != "thinking":
+                    out += self._open_block(thinking_block(""))
+                out.append(
+                    {
+                        "type": "content_block_delta",
+                        "index": self._index,
+                        "delta": {"type": "thinking_delta", "thinking": thought},
+                    }
+                )
             text = delta.get("content")
             if text:
                 if self._open != "text":

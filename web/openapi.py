@@ -88,7 +88,13 @@ _IMAGE_PART: Schema = {
         "image_url": {
             "type": "object",
             "required": ["url"],
-            "properties": {"url": {"type": "string"}},
+            "properties": {
+                "url": {
+                    "type": "string",
+                    "description": "a base64 data: URL of a PNG, JPEG, WebP, GIF or BMP image, "
+                    "or an http(s) URL (fetched by the box for a local model)",
+                }
+            },
         },
     },
 }
@@ -111,6 +117,10 @@ _CHAT_MESSAGE: Schema = {
         "name": {"type": "string"},
         "tool_calls": {"type": "array", "items": {"type": "object"}},
         "tool_call_id": {"type": "string"},
+        "reasoning_content": {
+            "type": "string",
+            "description": "assistant messages only: the model's reasoning in that turn",
+        },
     },
 }
 _FUNCTION_TOOL: Schema = {
@@ -171,6 +181,11 @@ CHAT: dict[str, Schema] = {
     },
     "logprobs": {"type": "boolean"},
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "reasoning_effort": {
+        "type": "string",
+        "enum": list(v.REASONING_EFFORTS),
+        "description": "how much a reasoning model may think (none: not at all)",
+    },
     "stream": _STREAM,
     "stream_options": _STREAM_OPTIONS,
     "route_trace": _ROUTE_TRACE,
@@ -268,6 +283,13 @@ def _responses_body() -> Schema:
         "stream": _STREAM,
         "tools": {"type": "array"},
         "metadata": {"type": "object"},
+        "reasoning": {
+            "type": "object",
+            "properties": {
+                "effort": {"type": "string", "enum": list(responses_request.EFFORTS)},
+                "summary": {"description": "accepted and ignored: reasoning is shown whole"},
+            },
+        },
         "previous_response_id": {"description": "refused: this server stores no responses"},
         "conversation": {"description": "refused: this server stores no responses"},
     }
@@ -291,7 +313,8 @@ _A_MESSAGE: Schema = {
                     "type": "array",
                     "items": {"type": "object", "required": ["type"]},
                     "maxItems": v.MAX_CONTENT_PARTS,
-                    "description": "text, tool_use (assistant) and tool_result (user) blocks",
+                    "description": "text, image and tool_result (user), tool_use and thinking "
+                    "(assistant) blocks",
                 },
             ]
         },
@@ -324,6 +347,16 @@ def _messages_body(count: bool) -> Schema:
                 "type": {"type": "string", "enum": list(anthropic._TOOL_CHOICES)},
                 "name": _STR,
             },
+        },
+        "thinking": {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"type": "string", "enum": list(anthropic.THINKING_TYPES)},
+                "budget_tokens": {"type": "integer", "minimum": anthropic.MIN_THINKING_BUDGET},
+            },
+            "description": "enabled: reasoning_effort low below 4096 budget tokens, medium "
+            "below 16384, else high; disabled: none; adaptive: the model's own",
         },
     }
     if count:

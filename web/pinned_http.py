@@ -6,11 +6,14 @@ rebinding). ``pinned_session(ip)`` returns a session whose every connection goes
 the URL keeps its host name, so the ``Host`` header, TLS SNI and certificate verification are
 those of the name. The session ignores the environment (``trust_env = False``): no proxy
 variables (a proxy would do its own lookup, and see the API key), no ``.netrc`` credentials.
+``on_connect``, when given, is told of each connection's socket once it is connected (before
+any TLS): a caller that must end a connection at a deadline of its own finds it there.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -26,6 +29,7 @@ class _Pinned:
     its host name."""
 
     pinned_ip = ""
+    on_connect: Callable[[socket.socket], None] | None = None
     port: int
     timeout: Any
     source_address: Any
@@ -34,7 +38,7 @@ class _Pinned:
     def _new_conn(self) -> socket.socket:
         try:
             # An address literal: create_connection's getaddrinfo does no lookup for it.
-            return connection.create_connection(
+            sock = connection.create_connection(
                 (self.pinned_ip, self.port),
                 self.timeout,
                 source_address=self.source_address,
@@ -44,28 +48,38 @@ class _Pinned:
             raise ConnectTimeoutError(self, f"connection to {self.pinned_ip} timed out") from e
         except OSError as e:
             raise NewConnectionError(self, f"could not connect to {self.pinned_ip}: {e}") from e  # type: ignore[arg-type]
+        if self.on_connect is not None:
+            self.on_connect(sock)
+        return sock
 
 
 class _Adapter(HTTPAdapter):
-    def __init__(self, ip: str) -> None:
+    def __init__(self, ip: str, on_connect: Callable[[socket.socket], None] | None) -> None:
         self._ip = ip
+        self._on_connect = on_connect
         super().__init__(max_retries=0)
 
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)
-        http = type("PinnedHTTPConnection", (_Pinned, HTTPConnection), {"pinned_ip": self._ip})
-        https = type("PinnedHTTPSConnection", (_Pinned, HTTPSConnection), {"pinned_ip": self._ip})
+        attrs: dict[str, Any] = {"pinned_ip": self._ip}
+        if self._on_connect is not None:
+            # staticmethod: a plain function stored on a class is called as a method.
+            attrs["on_connect"] = staticmethod(self._on_connect)
+        http = type("PinnedHTTPConnection", (_Pinned, HTTPConnection), attrs)
+        https = type("PinnedHTTPSConnection", (_Pinned, HTTPSConnection), attrs)
         self.poolmanager.pool_classes_by_scheme = {
             "http": type("PinnedHTTPPool", (HTTPConnectionPool,), {"ConnectionCls": http}),
             "https": type("PinnedHTTPSPool", (HTTPSConnectionPool,), {"ConnectionCls": https}),
         }
 
 
-def pinned_session(ip: str) -> requests.Session:
+def pinned_session(
+    ip: str, on_connect: Callable[[socket.socket], None] | None = None
+) -> requests.Session:
     """A session whose connections all go to ``ip`` (see the module's docstring)."""
     s = requests.Session()
     s.trust_env = False
-    adapter = _Adapter(ip)
+    adapter = _Adapter(ip, on_connect)
     s.mount("http://", adapter)
     s.mount("https://", adapter)
     return s

@@ -28,7 +28,7 @@ from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.registry import Entry
 from residency.settings import ModelSpec
-from web import admission, auth, bus, quota, remote, routing, validation
+from web import admission, auth, bus, image_fetch, image_inputs, quota, remote, routing, validation
 from web.body import check_size
 from web.state import State, View, state
 
@@ -473,7 +473,8 @@ def dispatch(
 ) -> Dispatched:
     """Resolve ``v``'s model (a policy routes it; the key's scopes apply), admit it against
     its caller's quotas and send it on: to its remote upstream (``body``, at ``path``) or to
-    its model's queue (as ``submit_as``, default ``kind``), then wait for a whole answer. The
+    its model's queue (as ``submit_as``, default ``kind``; a chat's images made ready first,
+    ``ready_images``), then wait for a whole answer. The
     pipeline every generation API shares (chat, completions, Anthropic's messages); run it
     inside ``admitted``, which gives back what it holds."""
     st = state()
@@ -492,7 +493,18 @@ def dispatch(
         if v.stream:
             return Dispatched(t, batches=(bus.Batch([e]) for e in fwd.events()), abandon=fwd.close)
         return Dispatched(t, result=named(fwd.json(), name))
+    if kind is Kind.CHAT:
+        ready_images(v, t)
     call = submit(st, submit_as or kind, v, t)
     if v.stream:
         return Dispatched(t, batches=call.batches(), abandon=call.abandon)
     return Dispatched(t, result=named(call.result(), name))
+
+
+def ready_images(v: validation.Validated, t: Target) -> None:
+    """A local model's chat request with its images made ready (``web.image_inputs``): after
+    it was admitted, so a request refused by its quotas fetches nothing, and before it is
+    queued, so a model process is never handed a URL to open."""
+    limits = image_inputs.Limits.of(t.view.settings.images)
+    with image_fetch.Fetcher(limits) as fetch:
+        image_inputs.inline(v.params, limits, fetch)

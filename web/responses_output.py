@@ -3,10 +3,13 @@
 
 A chat answer's text becomes one ``message`` output item with one ``output_text`` part, and
 each tool call a ``function_call`` item (its ``call_id`` is the chat call's id, which the client
-sends back in a ``function_call_output``). An answer cut by its token limit (chat
-``finish_reason`` ``length``) is ``incomplete`` with reason ``max_output_tokens``, and so is its
-last output item. A stream yields the same items, built from the chunks as they come, and its
-last event carries the same Response a whole answer would have been.
+sends back in a ``function_call_output``). The model's reasoning (chat's ``reasoning_content``)
+comes first, as a ``reasoning`` item with one ``reasoning_text`` part (its text whole: nothing
+here summarizes), and its tokens are the usage's ``reasoning_tokens``. An answer cut by its
+token limit (chat ``finish_reason`` ``length``) is ``incomplete`` with reason
+``max_output_tokens``, and so is its last output item. A stream yields the same items, built
+from the chunks as they come, and its last event carries the same Response a whole answer
+would have been.
 """
 
 from __future__ import annotations
@@ -46,9 +49,16 @@ def usage(chat_usage: Any) -> dict[str, Any] | None:
             "cache_write_tokens": 0,
         },
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens(chat_usage)},
         "total_tokens": prompt + completion,
     }
+
+
+def reasoning_tokens(chat_usage: Mapping[str, Any]) -> int:
+    """The reasoning tokens a chat usage reports (0 when it says nothing of them)."""
+    details = chat_usage.get("completion_tokens_details")
+    n = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def response_object(
@@ -93,6 +103,20 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [_reasoning_part(text)],
+        "status": status,
+    }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _text_part(text: str) -> dict[str, Any]:
     # No logprobs are asked for in the Responses API here, but the part requires the list.
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -126,6 +150,9 @@ def from_chat(chat: Mapping[str, Any], echo: Mapping[str, Any], meta: Meta) -> d
     text = message.get("content")
     calls = message.get("tool_calls") or []
     output: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        output.append(reasoning_item(new_id("rs"), reasoning, "completed"))
     if isinstance(text, str) and (text or not calls):
         output.append(message_item(new_id("msg"), text, "completed"))
     elif not calls:
@@ -154,12 +181,17 @@ def with_timings(response: dict[str, Any], timings: Any) -> dict[str, Any]:
 
 @dataclass
 class _Item:
-    """An output item being streamed: a message (``text``) or a function call."""
+    """An output item being streamed: a message or a reasoning item (``text``), or a function
+    call (its arguments in ``text``)."""
 
     item: dict[str, Any]
     index: int
     text: list[str] = field(default_factory=list)
     call_index: int | None = None  # the chat tool call's index, for a function call
+
+    @property
+    def kind(self) -> str:
+        return str(self.item["type"])
 
 
 class Events:
@@ -177,6 +209,7 @@ class Events:
         self.usage: dict[str, Any] | None = None
         self.timings: dict[str, Any] | None = None
         self.ended = False
+        self.answered = False  # a message or a function call was opened
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -210,6 +243,7 @@ class Events:
         it = _Item(message_item(new_id("msg"), "", "in_progress"), self._index())
         it.item["content"] = []
         self.open = it
+        self.answered = True
         ids = {"item_id": it.item["id"], "output_index": it.index}
         return [
             self._event("response.output_item.added", output_index=it.index, item=dict(it.item)),
@@ -220,8 +254,20 @@ class Events:
         it = _Item(call_item(new_id("fc"), call_id, name, "", "in_progress"), self._index())
         it.call_index = index
         self.open = it
+        self.answered = True
         return [
             self._event("response.output_item.added", output_index=it.index, item=dict(it.item))
+        ]
+
+    def _open_reasoning(self) -> list[dict[str, Any]]:
+        it = _Item(reasoning_item(new_id("rs"), "", "in_progress"), self._index())
+        it.item["content"] = []
+        self.open = it
+        ids = {"item_id": it.item["id"], "output_index": it.index}
+        part = _reasoning_part("")
+        return [
+            self._event("response.output_item.added", output_index=it.index, item=dict(it.item)),
+            self._event("response.content_part.added", **ids, content_index=0, part=part),
         ]
 
     def _close(self, status: str = "completed") -> list[dict[str, Any]]:
@@ -230,7 +276,15 @@ class Events:
             return []
         ids = {"item_id": it.item["id"], "output_index": it.index}
         events = []
-        if it.call_index is None:
+        if it.kind == "reasoning":
+            text = "".join(it.text)
+            part = _reasoning_part(text)
+            events += [
+                self._event("response.reasoning_text.done", **ids, content_index=0, text=text),
+                self._event("response.content_part.done", **ids, content_index=0, part=part),
+            ]
+            done = reasoning_item(it.item["id"], text, status)
+        elif it.kind == "message":
             text = "".join(it.text)
             events += [
                 self._event(
@@ -254,9 +308,21 @@ class Events:
         events.append(self._event("response.output_item.done", output_index=it.index, item=done))
         return events
 
+    def _reasoning(self, delta: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.open.kind != "reasoning":
+            events += self._close() + self._open_reasoning()
+        assert self.open is not None
+        self.open.text.append(delta)
+        ids = {"item_id": self.open.item["id"], "output_index": self.open.index}
+        events.append(
+            self._event("response.reasoning_text.delta", **ids, content_index=0, delta=delta)
+        )
+        return events
+
     def _text(self, delta: str) -> list[dict[str, Any]]:
         events = []
-        if self.open is None or self.open.call_index is not None:
+        if self.open is None or self.open.kind != "message":
             events += self._close() + self._open_message()
         assert self.open is not None
         self.open.text.append(delta)
@@ -294,6 +360,9 @@ class Events:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content")
+            if isinstance(thought, str) and thought:
+                events += self._reasoning(thought)
             text = delta.get("content")
             if isinstance(text, str) and text:
                 events += self._text(text)
@@ -310,8 +379,9 @@ class Events:
         self.ended = True
         status = _status(self.finish_reason)
         events: list[dict[str, Any]] = []
-        if self.open is None and not self.output:
-            events += self._open_message()  # no text at all: an empty message, as a whole answer
+        if not self.answered:
+            # No text and no call (perhaps only reasoning): an empty message, as a whole answer.
+            events += self._close() + self._open_message()
         events += self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         events.append(self._event(kind, response=self._response(status)))

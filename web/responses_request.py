@@ -10,12 +10,14 @@ The server is stateless: nothing is stored, so ``previous_response_id`` and ``co
 are refused (the client sends the whole conversation in ``input``). Fields that change nothing
 here are accepted and ignored, and named in ``Translated.ignored`` (the answer's
 ``x-residency-ignored`` header): ``client_metadata``, ``include`` (nothing it names exists
-here: no reasoning, no hosted tool results), ``reasoning`` options (the models here do not
-reason) and hosted tools (web search, file search...; this box runs none: they are dropped,
-unless ``tool_choice`` names one, which is a 400). Any other unknown top-level field is
-refused, so a client learns that a feature it relies on is not there. Inside ``input`` items,
-keys that only describe an earlier answer (``id``, ``status``, ``annotations``...) are
-ignored, so a client can send a response's ``output`` items back as they came.
+here: no encrypted reasoning, no hosted tool results), ``reasoning`` options but ``effort``
+(which becomes chat's ``reasoning_effort``; a reasoning model's text is shown whole, never
+summarized) and hosted tools (web search, file search...; this box runs none: they are
+dropped, unless ``tool_choice`` names one, which is a 400). Any other unknown top-level field
+is refused, so a client learns that a feature it relies on is not there. Inside ``input``
+items, keys that only describe an earlier answer (``id``, ``status``, ``annotations``...) are
+ignored, so a client can send a response's ``output`` items back as they came; a ``reasoning``
+item becomes the ``reasoning_content`` of the assistant turn it came before.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ FIELDS = frozenset(
 #: Top-level fields accepted and ignored: they change nothing this server does.
 IGNORED_FIELDS = frozenset({"client_metadata"})
 ROLES = ("user", "assistant", "system", "developer")
+#: What ``reasoning.effort`` may ask for: chat's ``reasoning_effort`` values.
+EFFORTS = validation.REASONING_EFFORTS
 MAX_METADATA = 16
 
 
@@ -118,15 +122,31 @@ def _stateless(body: Mapping[str, Any]) -> None:
         raise wrong_type("store", "a boolean", store)
 
 
+def _effort(body: Mapping[str, Any], ignored: list[str]) -> str | None:
+    """``reasoning.effort`` (None: not asked for). The other ``reasoning`` options change
+    nothing here (a model's reasoning is shown whole, never summarized): named in
+    ``ignored``."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise wrong_type("reasoning", "an object", reasoning)
+    ignored += [f"reasoning.{k}" for k, v in reasoning.items() if v is not None and k != "effort"]
+    effort = reasoning.get("effort")
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad_request(
+            f"'reasoning.effort' must be one of {', '.join(EFFORTS)}, got {str(effort)[:64]!r}",
+            "reasoning.effort",
+            "invalid_value",
+        )
+    return str(effort)
+
+
 def _refused_options(body: Mapping[str, Any], ignored: list[str]) -> None:
     """Options with no meaning for the models served here: ignored (and named in ``ignored``)
     when they change nothing, else empty is fine and anything else 400."""
-    reasoning = body.get("reasoning")
-    if reasoning is not None:
-        if not isinstance(reasoning, dict):
-            raise wrong_type("reasoning", "an object", reasoning)
-        # No model here reasons: an effort or a summary asked for changes nothing.
-        ignored += [f"reasoning.{k}" for k, v in reasoning.items() if v is not None]
     include = body.get("include")
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
@@ -221,14 +241,60 @@ def _tool_output(item: Mapping[str, Any], param: str) -> str:
     return "\n".join(texts)
 
 
+def _reasoning_text(item: Mapping[str, Any], p: str) -> str:
+    """The text of a ``reasoning`` item: its ``reasoning_text`` parts, else its summary."""
+    texts: list[str] = []
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise wrong_type(f"{p}.{key}", f"an array of {part_type} parts", parts)
+        if len(parts) > validation.MAX_CONTENT_PARTS:
+            raise bad_request(
+                f"'{p}.{key}' may hold at most {validation.MAX_CONTENT_PARTS} parts, "
+                f"got {len(parts)}",
+                f"{p}.{key}",
+                "array_above_max_length",
+            )
+        for j, part in enumerate(parts):
+            pp = f"{p}.{key}[{j}]"
+            if not isinstance(part, dict):
+                raise wrong_type(pp, "an object", part)
+            if part.get("type") != part_type:
+                raise bad_request(
+                    f"'{pp}.type' must be '{part_type}', got {part.get('type')!r}", f"{pp}.type"
+                )
+            texts.append(str(_string(part, "text", f"{pp}.text")))
+        if texts:
+            break  # the reasoning itself when it is there; its summary otherwise
+    return "\n".join(texts)
+
+
 class _Conversation:
     """Chat messages built item by item: consecutive function calls become one assistant
-    message's ``tool_calls`` (attached to the assistant text just before them, as one turn)."""
+    message's ``tool_calls`` (attached to the assistant text just before them, as one turn).
+    A ``reasoning`` item waits for the assistant turn that follows it (a message or a call) and
+    becomes its ``reasoning_content``; one that no assistant turn follows (a user turn comes
+    first, or the input ends) is dropped: the model reads its earlier reasoning only beside
+    what it answered."""
 
     def __init__(self) -> None:
         self.messages: list[dict[str, Any]] = []
         self.call_ids: set[str] = set()
         self._open_turn = False  # the last message is an assistant turn calls may join
+        self._thoughts: list[str] = []  # reasoning items waiting for their assistant turn
+
+    def reasoning(self, item: Mapping[str, Any], p: str) -> None:
+        text = _reasoning_text(item, p)
+        if text:
+            self._thoughts.append(text)
+
+    def _give_reasoning(self, message: dict[str, Any]) -> None:
+        if self._thoughts:
+            had = message.get("reasoning_content")
+            message["reasoning_content"] = "\n".join([*([had] if had else []), *self._thoughts])
+            self._thoughts = []
 
     def message(self, item: Mapping[str, Any], p: str) -> None:
         role = item.get("role")
@@ -241,6 +307,10 @@ class _Conversation:
         content = _content(item["content"], f"{p}.content", role)
         self.messages.append({"role": role, "content": content})
         self._open_turn = role == "assistant"
+        if self._open_turn:
+            self._give_reasoning(self.messages[-1])
+        else:
+            self._thoughts = []
 
     def call(self, item: Mapping[str, Any], p: str) -> None:
         call_id = _string(item, "call_id", f"{p}.call_id")
@@ -255,6 +325,7 @@ class _Conversation:
             self.messages.append({"role": "assistant", "content": None})
             self._open_turn = True
         self.messages[-1].setdefault("tool_calls", []).append(tc)
+        self._give_reasoning(self.messages[-1])
 
     def output(self, item: Mapping[str, Any], p: str) -> None:
         call_id = _string(item, "call_id", f"{p}.call_id")
@@ -266,6 +337,7 @@ class _Conversation:
         content = _tool_output(item, f"{p}.output")
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         self._open_turn = False
+        self._thoughts = []
 
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -302,12 +374,14 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             conv.call(item, p)
         elif kind == "function_call_output":
             conv.output(item, p)
+        elif kind == "reasoning":
+            conv.reasoning(item, p)
         elif kind == "item_reference":
             raise bad_request(NOT_STORED, f"{p}.type", "unsupported")
         else:
             raise bad_request(
                 f"'{p}.type' {kind!r} is not supported: input items may be messages, "
-                "function_call and function_call_output",
+                "function_call, function_call_output and reasoning",
                 f"{p}.type",
                 "unsupported",
             )
@@ -486,6 +560,7 @@ def to_chat(body: Mapping[str, Any]) -> Translated:
     ignored: list[str] = [k for k in sorted(IGNORED_FIELDS) if k in body]
     _check_fields(body)
     _stateless(body)
+    effort = _effort(body, ignored)
     _refused_options(body, ignored)
     model = body.get("model")
     if model is None:
@@ -515,6 +590,8 @@ def to_chat(body: Mapping[str, Any]) -> Translated:
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             chat[key] = body[key]
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     mot = body.get("max_output_tokens")
     if mot is not None:
         if isinstance(mot, bool) or not isinstance(mot, int):
@@ -533,7 +610,7 @@ def to_chat(body: Mapping[str, Any]) -> Translated:
         "metadata": metadata,
         "parallel_tool_calls": True if ptc is None else ptc,
         "previous_response_id": None,
-        "reasoning": None,
+        "reasoning": None if effort is None else {"effort": effort, "summary": None},
         "store": False,  # whatever was asked: nothing is stored
         "temperature": body.get("temperature"),
         "text": text,

@@ -11,7 +11,10 @@ defaults apply otherwise. OpenAI fields that have no meaning here (``user``, ``m
 call (the API module names them in the ``x-residency-ignored`` header); those that would change
 the answer and are not served (``audio``, a modality other than text, ``web_search_options``)
 are refused by name. ``stream_options`` and ``parallel_tool_calls`` (with tools) travel in the
-params to the model process, which takes them out before generating.
+params to the model process, which takes them out before generating, as does
+``reasoning_effort`` (how much a reasoning model may think). An assistant message of the
+history may carry the model's earlier reasoning in ``reasoning_content``: a template that
+renders reasoning gets it there, apart from the answer.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ MAX_EMBEDDING_INPUTS = 2048
 MAX_INT32 = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
 _MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call")
+#: What ``reasoning_effort`` may ask a reasoning model for ("none": no reasoning at all).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 # Sampling parameters shared by chat and completions: name -> (lo, hi, integer). The OpenAPI
 # document (web.openapi) takes its bounds from here.
@@ -390,7 +395,35 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     for key in _MESSAGE_KEYS:
         if m.get(key) is not None:
             out[key] = m[key]
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None:
+        # Only an answer has reasoning: on any other turn it could not be what the model
+        # thought, and a template would render it as if it were.
+        if role != "assistant":
+            raise bad_request(
+                f"'{p}.reasoning_content' is taken on assistant messages only, got role {role!r}",
+                f"{p}.reasoning_content",
+            )
+        if not isinstance(reasoning, str):
+            raise wrong_type(f"{p}.reasoning_content", "a string", reasoning)
+        out["reasoning_content"] = reasoning
     return out
+
+
+def _reasoning_effort(body: Mapping[str, Any], params: dict[str, Any]) -> None:
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return
+    if not isinstance(effort, str):
+        raise wrong_type("reasoning_effort", "a string", effort)
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
+            f"got {effort[:64]!r}",
+            "reasoning_effort",
+            "invalid_value",
+        )
+    params["reasoning_effort"] = effort
 
 
 def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> None:
@@ -540,6 +573,7 @@ def validate_chat(body: Mapping[str, Any]) -> Validated:
     _parallel_tool_calls(body, params)
     _response_format(body, params)
     _logprobs_chat(body, params)
+    _reasoning_effort(body, params)
     return Validated(model, params, _stream(body, params))
 
 

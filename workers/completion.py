@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from residency.errors import ApiError
-from workers.engine import End, Engine, Job, Sampling, Token
+from workers.engine import End, Engine, Job, Media, Sampling, Token
 from workers.slots import Asker, common_prefix
 from workers.textout import TextOut
 
@@ -232,6 +232,7 @@ def create(
     on_usage: OnUsage | None = None,
     on_progress: Callable[[], None] | None = None,
     cache: CacheUse | None = None,
+    media: dict[int, Media] | None = None,
     prompt: str | list[int],
     suffix: str | None = None,
     max_tokens: int | None = 16,
@@ -250,7 +251,7 @@ def create(
     fields of ``Sampling``, which has its sampler defaults); the job is submitted before this
     returns (a stream's prefill starts before its first chunk is asked for). ``on_progress``:
     the job's (see ``Job``); ``cache``: whose cached prefixes it may reuse (None: nobody's
-    but an anonymous caller's)."""
+    but an anonymous caller's); ``media``: the prompt's images by offset, encoded."""
     del tfs_z  # accepted for compatibility; llama.cpp has no tail-free sampling any more
     if logits_processor is not None:
         raise ValueError("logits processors are not supported by the batched engine")
@@ -297,6 +298,7 @@ def create(
         asker=asker,
         on_progress=on_progress,
         restore=restore,
+        media=media,
     )
     engine.submit(job)
     c = Completion(

@@ -23,7 +23,8 @@ queue. Turning tokens into text (stop strings, UTF-8) is the serving thread's wo
 
 It drives llama-cpp-python's low-level pieces (``LlamaBatch``, ``llama_decode``,
 ``LlamaSampler`` chains, per-sequence KV memory) through a ``Backend``, which
-``workers.runtime`` implements: that module stays the only one that imports ``llama_cpp``.
+``workers.runtime`` implements: that module (and ``workers.projector``, its images) stays the
+only one that imports ``llama_cpp``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class Backend(Protocol):
     def state_set(self, seq: int, data: bytes) -> bool: ...  # into seq (replacing it)
     # All of ``src``'s memory into ``dst`` (replacing it); False: this memory cannot.
     def seq_cp(self, src: int, dst: int) -> bool: ...
+    # An image's embeddings (a ``Media.image``) into ``seq`` from ``pos``, as their own decode;
+    # 0 when it worked. Only a model loaded with a vision projector has images to decode.
+    def decode_image(self, image: Any, pos: int, seq: int) -> int: ...
     def close(self) -> None: ...
 
 
@@ -124,6 +128,15 @@ class Token:
     id: int
     logprob: float | None = None  # with logprobs asked for: log-softmax of the raw logits
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there, best first
+
+
+@dataclass(frozen=True)
+class Media:
+    """An image's span of a prompt: ``n_tokens`` positions from its offset, each holding the
+    same negative id in the prompt's tokens, and what the backend decodes (its embeddings)."""
+
+    n_tokens: int
+    image: Any
 
 
 @dataclass(frozen=True)
@@ -208,9 +221,15 @@ class Job:
         asker: Asker | None = None,
         on_progress: Callable[[], None] | None = None,
         restore: Restore | None = None,
+        media: dict[int, Media] | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("a prompt needs at least one token")
+        self.media = media or {}  # images by their offset in ``prompt``
+        for at, m in self.media.items():
+            # The prompt's last token is text: its logits give the first generated token.
+            if at < 0 or m.n_tokens < 1 or at + m.n_tokens > len(prompt) - 1:
+                raise ValueError("an image must lie inside the prompt, before its last token")
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampling = sampling
@@ -231,6 +250,19 @@ class Job:
         self.grammar_applied = 0
         self._out: queue.SimpleQueue[Token | End | BaseException] = queue.SimpleQueue()
         self._cancelled = threading.Event()
+
+    def whole_images(self, keep: int) -> int:
+        """``keep`` moved back to the start of an image it would cut: an image's positions are
+        decoded together, so a reused prefix ends before one or after it."""
+        for at, m in self.media.items():
+            if at < keep < at + m.n_tokens:
+                return at
+        return keep
+
+    def next_image(self, at: int) -> int:
+        """Where the first image at or after prompt offset ``at`` starts (the prompt's length
+        without one)."""
+        return min((k for k in self.media if k >= at), default=len(self.prompt))
 
     def saved(self) -> Cached | None:
         r = self.restore
@@ -325,6 +357,8 @@ class Engine:
         # slot, by how the wait ended ("own", "copied", "cold").
         self.restored = 0
         self.copied = 0
+        # Images decoded into a slot (their positions count in ``prefilled`` too).
+        self.images_decoded = 0
         self.waits: dict[str, int] = {"own": 0, "copied": 0, "cold": 0}
         self._copied_into: set[int] = set()  # slots whose copy is pending until the next decode
         self.error: BaseException | None = None  # what stopped the engine thread, if anything
@@ -481,7 +515,7 @@ class Engine:
 
     def _place(self, job: Job, p: Plan) -> None:
         slot = self.slots[p.slot]
-        keep = p.keep
+        keep = job.whole_images(p.keep)
         if p.action is Action.RESTORE:
             keep = self._restore(slot, job, keep)
         elif p.action is Action.COPY:
@@ -571,11 +605,24 @@ class Engine:
         prefilling = sorted(
             (s for s in self.slots if s.state is SlotState.PREFILL), key=lambda s: s.admitted
         )
+        imaged = False  # one image per step: its decode is a whole batch's work of its own
         for s in prefilling:
             room = self.n_batch - n
             if room <= 0:
                 break
-            chunk, s.pending = s.pending[:room], s.pending[room:]
+            job = s.job
+            assert job is not None
+            at = len(job.prompt) - len(s.pending)
+            if at in job.media:
+                if imaged:
+                    continue  # its turn comes at the next step; text behind it waits too
+                imaged = True
+                if not self._image(s, job.media[at]):
+                    continue
+                at = len(job.prompt) - len(s.pending)
+            # Text up to the next image: that one is decoded on its own at a later step.
+            take = min(room, job.next_image(at) - at)
+            chunk, s.pending = s.pending[:take], s.pending[take:]
             for i, t in enumerate(chunk):
                 # Logits only for a prompt's last token: its first generated token comes next.
                 put(s, t, not s.pending and i == len(chunk) - 1)
@@ -583,6 +630,9 @@ class Engine:
             in_batch.append(s)
             if not s.pending:
                 sample.append((s, n - 1))
+        if n == 0:  # only an image this step (another one right behind it)
+            self.steps += 1
+            return
         rc = self._decode(n)
         self.steps += 1
         self._copied_into.clear()  # the decode applied them
@@ -597,6 +647,23 @@ class Engine:
                 s.job.on_progress()
         for s, idx in sample:
             self._sampled(s, idx)
+
+    def _image(self, s: Slot, m: Media) -> bool:
+        """Decode the image that starts the slot's pending prompt into its sequence, before
+        this step's batch (so the batch's text behind it follows it); False when llama.cpp
+        refused it (the request ends with the error, its memory emptied)."""
+        rc = self._b.decode_image(m.image, len(s.cached), s.seq)
+        if rc != 0:
+            self._trim(s, 0)
+            self._finish(s, RuntimeError(f"llama.cpp could not decode an image ({rc})"))
+            return False
+        s.cached.extend(s.pending[: m.n_tokens])
+        s.pending = s.pending[m.n_tokens :]
+        self.prefilled += m.n_tokens
+        self.images_decoded += 1
+        if s.job is not None and s.job.on_progress is not None:
+            s.job.on_progress()
+        return True
 
     def _decode(self, n_tokens: int) -> int:
         chooser = self.threads

@@ -30,7 +30,7 @@ from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
 from residency.settings import CACHE_DIR_ENV, CacheSettings, ModelSpec, WorkerSettings
 from residency.states import ModelState
-from workers import chat_shape, memory
+from workers import chat_shape, memory, reasoning
 from workers.completion import REPORT, CacheUse, OnUsage
 from workers.engine import EngineClosed, EngineDied
 from workers.faults import FaultyRuntime, StepFaults
@@ -157,6 +157,8 @@ class ModelProcess:
                 # Re-checked here, not only at registration: the file may have been swapped for
                 # a symlink that leads out of the model directories since.
                 registry.check_path(self.spec.path, self.model_dirs)
+                if self.spec.mmproj is not None:
+                    registry.check_path(self.spec.mmproj, self.model_dirs)
             self.runtime.load(self.spec, self.device)
             self.parallel = self.runtime.parallel
         except Exception as e:
@@ -845,7 +847,8 @@ def _with_usage(
     the request's usage (OpenAI's shape) and ``timings``; every chat chunk before it carries
     ``usage: null``
     (a completion chunk does not: OpenAI's schema has no null there). The engine has counted
-    the tokens by the time the chunks end."""
+    the tokens by the time the chunks end, and the runtime a chat's reasoning tokens
+    (``reasoning.TALLY``, this thread's: None when its model splits no reasoning off)."""
     last: dict[str, Any] | None = None
     it = iter(chunks)
     try:
@@ -859,6 +862,10 @@ def _with_usage(
         if close is not None:
             close()
     prompt, completion, cached = usage if usage else (0, 0, 0)
+    details: dict[str, Any] = {}
+    chat = last is None or last["object"] == "chat.completion.chunk"
+    if chat and reasoning.TALLY.tokens is not None:
+        details["completion_tokens_details"] = {"reasoning_tokens": reasoning.TALLY.tokens}
     yield {
         "id": last["id"] if last else "",
         "object": last["object"] if last else "chat.completion.chunk",
@@ -870,6 +877,7 @@ def _with_usage(
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
+            **details,
         },
         **({"timings": timed.report(usage)} if timed is not None else {}),
     }

@@ -1,6 +1,7 @@
-"""The model runtime interface, and its llama.cpp implementation (the only module that imports
-``llama_cpp``). A model process talks to a ``Runtime`` only, so a test that needs a controlled
-delay or failure wraps the real one (``workers.faults``) behind the same interface."""
+"""The model runtime interface, and its llama.cpp implementation (with ``workers.projector``,
+the only modules that import ``llama_cpp``). A model process talks to a ``Runtime`` only, so a
+test that needs a controlled delay or failure wraps the real one (``workers.faults``) behind the
+same interface."""
 
 from __future__ import annotations
 
@@ -24,18 +25,22 @@ from residency.errors import ApiError
 from residency.grammar_limits import MAX_SCHEMA_BYTES, unbounded
 from residency.settings import ModelSpec
 from workers import (
+    answer_format,
     chat_handler,
     chat_tools,
     completion,
     devices,
     generic_tools,
+    image_prompt,
+    reasoning,
     rerank,
     system_fold,
     toolcalls,
 )
 from workers.completion import CacheUse, OnUsage, Pieces
 from workers.decode_threads import Chooser
-from workers.engine import Backend, Engine, GrammarBudgetExceeded, Sampling, SlotImage
+from workers.engine import Backend, Engine, GrammarBudgetExceeded, Media, Sampling, SlotImage
+from workers.projector import Image, ImageError, Projector
 from workers.slot_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -53,12 +58,15 @@ class Hooks:
     """What one request's generations report to and carry: ``on_step`` per generated token
     (may raise to end it), ``on_usage`` at each generation's end, ``on_progress`` per engine
     step of its slot (prefill chunks included: the stall watchdog's progress), and ``cache``
-    (whose cached prompt prefixes it may reuse)."""
+    (whose cached prompt prefixes it may reuse), ``images``."""
 
     on_step: OnStep | None = None
     on_usage: OnUsage | None = None
     on_progress: OnStep | None = None
     cache: CacheUse | None = None
+    # The request's images, when it has some: its chat handler's tokenize call cuts the
+    # rendered prompt at their markers (``workers.image_prompt``).
+    images: image_prompt.ImagePrompt[Image] | None = None
 
 
 class Runtime(Protocol):
@@ -297,6 +305,7 @@ def _batched_llama() -> Any:
         engine: Engine | None = None
         pieces: Pieces | None = None
         slot_cache: SlotCache | None = None  # saved slot states a prompt may start from
+        projector: Projector | None = None  # a vision model's (``[models.X] mmproj``)
 
         def __init__(
             self, *args: Any, sequences: int = 1, flash_attn_type: int = -1, **kwargs: Any
@@ -332,6 +341,13 @@ def _batched_llama() -> Any:
                 into = getattr(_serving, "rendered", None)
                 return completion.counted(self, prompt, kwargs.get("model"), into)
             hooks: Hooks = getattr(_serving, "hooks", None) or Hooks()
+            media = None
+            if hooks.images is not None and hooks.images.media:
+                assert self.projector is not None
+                # The encoder runs here, in the serving thread, beside the engine's steps.
+                for image in hooks.images.media.values():
+                    self.projector.encode(image)
+                media = {at: Media(im.n_tokens, im) for at, im in hooks.images.media.items()}
             return completion.create(
                 self,
                 self.engine,
@@ -340,8 +356,32 @@ def _batched_llama() -> Any:
                 on_usage=hooks.on_usage,
                 on_progress=hooks.on_progress,
                 cache=hooks.cache,
+                media=media,
                 prompt=prompt,
                 **kwargs,
+            )
+
+        def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+            hooks = getattr(_serving, "hooks", None)
+            images = None if hooks is None else hooks.images
+            if images is None or images.marker.encode("utf-8") not in text:
+                return super().tokenize(text, add_bos, special)
+            projector = self.projector
+            if projector is None:
+                raise RuntimeError("images for a model loaded without a vision projector")
+
+            def plain(part: bytes, bos: bool) -> list[int]:
+                return super(BatchedLlama, self).tokenize(part, bos, special) if part or bos else []
+
+            def image(data: bytes, param: str) -> list[int | Image]:
+                try:
+                    return projector.tokenize(data)
+                except ImageError as e:
+                    msg = f"'{param}': {e}"
+                    raise ApiError(400, msg, param=param, code="invalid_image") from None
+
+            return image_prompt.tokenize(
+                images, text, add_bos, plain, image, lambda i: i.n_tokens, lambda i: i.token
             )
 
         def _text(self, tokens: list[int]) -> str:
@@ -399,6 +439,9 @@ class LlamaBackend:
         self._one = (td * 1)()
         self._arr = llama_cpp.llama_token_data_array()
         self._by_piece: dict[bytes, int] | None = None  # piece -> token, built when needed
+        # A model loaded with a vision projector decodes images through it
+        # (``workers.projector.Projector.decoder``).
+        self.images: Callable[[Any, int, int], int] | None = None
 
     def sampler(self, sp: Sampling) -> LlamaSampling:
         """llama-cpp-python's own chain, in its order: bias, penalties, then greedy
@@ -531,6 +574,11 @@ class LlamaBackend:
     #: the shared prefix.
     copies = True
 
+    def decode_image(self, image: Any, pos: int, seq: int) -> int:
+        if self.images is None:
+            raise RuntimeError("an image for a model loaded without a vision projector")
+        return self.images(image, pos, seq)
+
     def seq_cp(self, src: int, dst: int) -> bool:
         self._lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         return True
@@ -640,6 +688,32 @@ def _templates(llm: Any) -> dict[str, str]:
     return out
 
 
+def _control_markers(
+    llm: Any, piece: Callable[[int], bytes], markers: tuple[str, ...]
+) -> dict[int, bytes]:
+    """The ``markers`` that are one control token of the loaded vocabulary, which ``piece``
+    renders as nothing (as llama-cpp-python renders control tokens), by token → their text."""
+    out: dict[int, bytes] = {}
+    for marker in markers:
+        data = marker.encode("utf-8")
+        tokens = [int(t) for t in llm.tokenize(data, add_bos=False, special=True)]
+        if len(tokens) != 1 or piece(tokens[0]):
+            continue  # plain text, or a token rendered as its text already
+        if bytes(llm.detokenize(tokens, special=True)) == data:
+            out[tokens[0]] = data
+    return out
+
+
+def _preserving(piece: Callable[[int], bytes], kept: dict[int, bytes]) -> Callable[[int], bytes]:
+    """``piece``, with the tokens of ``kept`` rendered as their text."""
+
+    def render(token: int) -> bytes:
+        text = kept.get(token)
+        return piece(token) if text is None else text
+
+    return render
+
+
 class LlamaRuntime:
     """``wrap`` wraps the engine's backend: a test that must decide when each step runs puts
     a gate in front of the real one (same interface)."""
@@ -654,6 +728,12 @@ class LlamaRuntime:
         self._engine: Engine | None = None
         self._parallel = 1
         self._tools: str | None = None  # how the loaded model takes tools (chat_tools)
+        # Where its answers' reasoning is and how their calls look, the template that renders
+        # its prompts, and per reasoning_effort whether the prompt leaves an answer inside
+        # reasoning (decided at load: ``_read_answers``).
+        self._answer = answer_format.AnswerFormat()
+        self._template: str | None = None
+        self._inside: dict[str | None, bool] = {}
         # Which system messages its chat handler renders where they stand (probed at load).
         self._system = system_fold.ALL
         # How a rerank model's (query, document) pairs are laid out; None: not a rerank model.
@@ -704,6 +784,15 @@ class LlamaRuntime:
         if not embedding:
             n_batch = max(spec.n_batch, self.parallel)
             backend = LlamaBackend(self._llm, n_batch)
+            if spec.mmproj is not None:
+                projector = Projector(
+                    spec.mmproj,
+                    self._llm,
+                    spec.n_threads_batch or devices.default_threads(),
+                    use_gpu=not devices.is_cpu(device) and spec.n_gpu_layers != 0,
+                )
+                self._llm.projector = projector
+                backend.images = projector.decoder(self._llm._ctx.ctx, n_batch)
             engine_backend: Backend = self._wrap(backend) if self._wrap else backend
             # Unset thread counts: each step's is measured, all of them or one fewer
             # (``workers.decode_threads``); a count the config sets is used as it is.
@@ -723,6 +812,8 @@ class LlamaRuntime:
             self._choose_handler(spec)
             self._system = self._probe_system()
             self._tools = chat_tools.support(self._llm.chat_format, _templates(self._llm))
+            # After both: the answers' format depends on the template and on its tools.
+            self._read_answers(spec, backend)
 
     def _choose_handler(self, spec: ModelSpec) -> None:
         """Serve with the GGUF's own template rather than a built-in format that
@@ -740,14 +831,71 @@ class LlamaRuntime:
             )
             self._llm.chat_format = chosen
 
-    def _renders(self, messages: list[dict[str, Any]]) -> str | None:
-        """The prompt text the loaded chat handler renders for ``messages``, generating
-        nothing (None: it refused them)."""
+    def _read_answers(self, spec: ModelSpec, backend: LlamaBackend) -> None:
+        """How the loaded model's answers are read (``workers.answer_format``); for each
+        ``reasoning_effort`` its template renders differently, whether the generation prompt
+        leaves the answer inside a reasoning block; and the format's markers that are control
+        tokens of its vocabulary rendered as text (llama-server's "preserved tokens"), or its
+        readers would never see them."""
+        template = _templates(self.llm).get(self.llm.chat_format or "")
+        takes_tools = self._tools == chat_tools.TEMPLATE
+        fmt = answer_format.decide(spec.reasoning, spec.tool_format, template, takes_tools)
+        self._template, self._answer, self._inside = template, fmt, {}
+        if fmt.reasoning.open:
+            varies = bool(reasoning.template_kwargs("none", template))
+            probe = [{"role": "user", "content": "probeuserone"}]
+            for effort in (None, *reasoning.EFFORTS) if varies else (None,):
+                prompt = self._renders(probe, reasoning.template_kwargs(effort, template))
+                self._inside[effort] = prompt is not None and reasoning.ends_open(
+                    prompt, fmt.reasoning
+                )
+        kept = _control_markers(self.llm, backend.piece, fmt.markers)
+        if kept:
+            self._llm.pieces = Pieces(_preserving(backend.piece, kept), backend.fim())
+        if fmt.reasoning.splits or fmt.tools is not None:
+            log.info(
+                "%s: reasoning %s, tool calls %s, markers rendered as text %s",
+                spec.path,
+                "harmony" if fmt.reasoning.harmony else fmt.reasoning.markers or "none",
+                fmt.tools or "none",
+                sorted(v.decode("utf-8") for v in kept.values()) or "none",
+            )
+
+    def _chat_create(self, template_kwargs: dict[str, Any]) -> Callable[..., Any]:
+        """``create_chat_completion``; with template variables to pass, its chat handler called
+        as it calls it, plus those: it passes on no argument it does not name, while the Jinja
+        handler renders its extra arguments into the template."""
+        llm = self.llm
+        if not template_kwargs:
+            return llm.create_chat_completion
+        import inspect
+
+        from llama_cpp import llama_chat_format
+
+        handler = (
+            llm.chat_handler
+            or llm._chat_handlers.get(llm.chat_format)
+            or llama_chat_format.get_chat_completion_handler(llm.chat_format)
+        )
+        signature = inspect.signature(llm.create_chat_completion)
+
+        def create(**params: Any) -> Any:
+            bound = signature.bind(**params)  # its own TypeError for an unknown argument
+            bound.apply_defaults()
+            return handler(llama=llm, **bound.arguments, **template_kwargs)
+
+        return create
+
+    def _renders(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> str | None:
+        """The prompt text the loaded chat handler renders for ``messages`` (with the template
+        variables ``template_kwargs``), generating nothing (None: it refused them)."""
         prompts: list[str] = []
         prev = getattr(_serving, "count_only", False), getattr(_serving, "prompts", None)
         _serving.count_only, _serving.prompts = True, prompts
         try:
-            self.llm.create_chat_completion(messages=messages)
+            self._chat_create(template_kwargs or {})(messages=messages)
         except Exception:  # a template's raise_exception, or a handler that cannot render it
             return None
         finally:
@@ -843,27 +991,114 @@ class LlamaRuntime:
         on_progress: OnStep | None = None,
         cache: CacheUse | None = None,
     ) -> Any:
+        params, images = self._with_images(params)
         if cache is not None and cache.scope == "shared_system":
             cache = CacheUse(cache.owner, cache.scope, self._system_tokens(params))
+        params, template_kwargs, inside = self._reasoning_params(params)
         plan = chat_tools.plan(params, self._tools, self.llm.chat_format, stream)
         params = self._grammars(plan)
         # After the plan: the generic tool format's instructions are a system message too,
         # which a handler that drops system messages must be given folded.
         if params.get("messages"):
             params = {**params, "messages": system_fold.fold(params["messages"], self._system)}
-        create = self.llm.create_chat_completion
-        hooks = Hooks(on_step, on_usage, on_progress, cache)
+        create = self._chat_create(template_kwargs)
+        hooks = Hooks(on_step, on_usage, on_progress, cache, images)
         out = self._call(create, params, stream, "messages", hooks, _grammar_param(plan))
         if plan.generic is not None:
             names = plan.generic.names
             if stream:
                 return toolcalls.stream_with_calls(out, names, generic_tools.Reader)
             return toolcalls.answer_with_calls(out, names, generic_tools.Reader)
-        if plan.parse:
-            if stream:
-                return toolcalls.stream_with_calls(out, plan.parse)
-            return toolcalls.answer_with_calls(out, plan.parse)
+        reader_for, splits = self._reader_for(plan, params, inside)
+        if reader_for is not None:
+            return self._read(out, stream, plan.parse, reader_for, splits)
         return toolcalls.normalized_calls(out) if plan.normalize else out
+
+    def _reasoning_params(
+        self, params: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], bool]:
+        """A chat request's arguments without ``reasoning_effort`` and with its earlier turns'
+        reasoning as the template takes it (``workers.reasoning.history``); the template
+        variables its effort sets; and whether its prompt leaves the answer inside a
+        reasoning block."""
+        params = dict(params)
+        effort = params.pop("reasoning_effort", None)
+        if isinstance(params.get("messages"), list):
+            params["messages"] = reasoning.history(
+                params["messages"], self._answer.reasoning, self._template
+            )
+        reasoning.TALLY.tokens = None  # counted by ``_read``'s stream, when it splits
+        inside = self._inside.get(effort, self._inside.get(None, False))
+        return params, reasoning.template_kwargs(effort, self._template), inside
+
+    def _reader_for(
+        self, plan: chat_tools.Plan, params: dict[str, Any], inside: bool
+    ) -> tuple[toolcalls.ReaderFor | None, bool]:
+        """The reader of the answer's text (None: it is the answer as it is), and whether it
+        splits reasoning off. A grammar that makes the answer one JSON call (``tool_choice:
+        "required"``) is read as one; a grammar leaves no room for reasoning, nor does a
+        handler's forced call."""
+        if plan.schema is not None:
+            return toolcalls.ToolText, False
+        rf = params.get("response_format")
+        free = params.get("grammar") is None and (rf is None or rf.get("type") == "text")
+        answer = self._answer if free else answer_format.AnswerFormat(tools=self._answer.tools)
+        splits = answer.reasoning.splits
+        if plan.parse:
+            tools = params.get("tools") or []
+            reader_for = answer.reader_for(plan.parse, tools, inside)
+            return reader_for or toolcalls.ToolText, splits
+        if plan.normalize or not free:
+            return None, False
+        return answer.reader_for(frozenset(), [], inside), splits
+
+    def _read(
+        self,
+        out: Any,
+        stream: bool,
+        names: frozenset[str],
+        reader_for: toolcalls.ReaderFor,
+        splits: bool,
+    ) -> Any:
+        """The handler's answer read by ``reader_for``: its calls as ``tool_calls``, and where
+        it ``splits`` reasoning off, its reasoning as ``reasoning_content``, counted
+        (``_reasoning_tokens``) into the usage (a stream's by the model process, from
+        ``reasoning.TALLY``)."""
+        if stream:
+            chunks = toolcalls.stream_with_calls(out, names, reader_for)
+            return reasoning.tallied(chunks, self._reasoning_tokens) if splits else chunks
+        resp = toolcalls.answer_with_calls(out, names, reader_for)
+        if splits and isinstance(resp.get("usage"), dict):
+            message = resp["choices"][0].get("message") or {}
+            text = message.get("reasoning_content") or ""
+            reasoning.usage_details(resp["usage"], self._reasoning_tokens(text))
+        return resp
+
+    def _reasoning_tokens(self, text: str) -> int:
+        """The tokens of an answer's reasoning: its text as the model's tokenizer splits it
+        (the markers around it are not counted)."""
+        if not text:
+            return 0
+        return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    def _with_images(
+        self, params: dict[str, Any]
+    ) -> tuple[dict[str, Any], image_prompt.ImagePrompt[Image] | None]:
+        """A chat request's messages with its images made markers in their text, and the
+        images (``workers.image_prompt``); None without any."""
+        messages = params.get("messages")
+        if not image_prompt.has_images(messages):
+            return params, None
+        if getattr(self.llm, "projector", None) is None:
+            raise ApiError(
+                400,
+                "this model cannot read images (it has no vision projector)",
+                param="messages",
+                code="model_not_multimodal",
+            )
+        assert isinstance(messages, list)
+        messages, images = image_prompt.prepare(messages)
+        return {**params, "messages": messages}, images
 
     def _system_tokens(self, params: dict[str, Any]) -> list[int]:
         """The tokens of the request's leading system message(s) rendered alone by the model's
@@ -1084,6 +1319,10 @@ class LlamaRuntime:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        projector = getattr(self._llm, "projector", None)
+        if projector is not None:
+            self._llm.projector = None
+            projector.close()
         if self._llm is not None:
             self._llm.close()
             self._llm = None

@@ -38,22 +38,27 @@ log = logging.getLogger("residency.kvcache")
 MIN_SAVE_TOKENS = MIN_GAIN
 
 
+def _stamp(path: str) -> list[object]:
+    try:
+        st = os.stat(path)
+        return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [path, None, None]
+
+
 def spec_digest(spec: ModelSpec, parallel: int, state_format: str) -> str:
     """What a saved state depends on: the spec's KV layout (``registry.kv_layout`` with the
     ``parallel`` loaded: a state holds each slot's stream, another ``parallel`` cannot read it),
-    the model file as it is on disk (real path, size, modification time) and the library that
-    wrote it. Anything else may change without losing the cache."""
-    path = spec.path or ""
-    try:
-        st = os.stat(path)
-        stamp = [os.path.realpath(path), st.st_size, st.st_mtime_ns]
-    except OSError:
-        stamp = [path, None, None]
-    data = {
+    the model file and its vision projector as they are on disk (real path, size, modification
+    time: a saved image's KV was made by that projector) and the library that wrote it.
+    Anything else may change without losing the cache."""
+    data: dict[str, object] = {
         "layout": list(kv_layout(spec, parallel)),
-        "file": stamp,
+        "file": _stamp(spec.path or ""),
         "format": [kvstore.FORMAT, state_format],
     }
+    if spec.mmproj is not None:
+        data["mmproj"] = _stamp(spec.mmproj)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32]
 
 

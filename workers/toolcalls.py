@@ -12,8 +12,12 @@ see and each call once it is complete: the text of a ``<tool_call>`` block (and 
 ``<tool_call>`` opener) is held back until it is decided, and an answer that starts with ``{``
 is held to its end. Text that turns out not to be a call (bad JSON, a name that is not among
 the request's tools) is handed out as content, unchanged. The whole answer (``parse``) and the
-stream (``StreamCalls``) go through the same reader, so a streamed answer assembles to what the
-whole one would have been.
+stream (``stream_with_calls``) go through the same reader, so a streamed answer assembles to what
+the whole one would have been.
+
+Other formats' readers (``workers.tool_formats``, ``workers.harmony``) and the reasoning split in
+front of them (``workers.reasoning``) speak the same ``Reader`` protocol; a reader may also hand
+out reasoning, which goes to ``reasoning_content`` (never into ``content``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ def _call(obj: Any, names: frozenset[str]) -> ToolCall | None:
     return ToolCall(obj["name"], text, new_call_id())
 
 
+def as_call(obj: Any, names: frozenset[str]) -> ToolCall | None:
+    """The call a decoded JSON object stands for (``{"name", "arguments" | "parameters"}``),
+    or None when it is not a call to one of ``names``."""
+    return _call(obj, names)
+
+
 def _decode(text: str, names: frozenset[str]) -> ToolCall | None:
     try:
         obj = json.loads(text)
@@ -77,7 +87,7 @@ def _decode(text: str, names: frozenset[str]) -> ToolCall | None:
     return _call(obj, names)
 
 
-#: What ``ToolText`` hands out: ("content", text) or ("call", ToolCall).
+#: What a reader hands out: ("content", text), ("call", ToolCall) or ("reasoning", text).
 Piece = tuple[str, Any]
 
 
@@ -91,6 +101,20 @@ class Reader(Protocol):
 
 #: Makes a reader for the request's tool names (``ToolText``, or another format's).
 ReaderFor = Callable[[frozenset[str]], Reader]
+
+
+class Plain:
+    """A reader of an answer that holds no calls: all of it is content (what a reasoning split
+    hands on when the request has no tools)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        del names
+
+    def feed(self, text: str) -> list[Piece]:
+        return [("content", text)] if text else []
+
+    def finish(self) -> list[Piece]:
+        return []
 
 
 class ToolText:
@@ -181,42 +205,70 @@ class ToolText:
 
 def _partial_opener(buf: str) -> int:
     """Length of the longest tail of ``buf`` that is a proper prefix of ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(buf)), 0, -1):
-        if buf.endswith(OPEN[:n]):
-            return n
-    return 0
+    return partial_marker(buf, OPEN)
+
+
+def partial_marker(buf: str, *markers: str) -> int:
+    """Length of the longest tail of ``buf`` that is a proper prefix of one of ``markers``
+    (what a reader holds back: the next text may complete it)."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(buf)), best, -1):
+            if buf.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+@dataclass(frozen=True)
+class Read:
+    """A whole answer as its reader hands it out: the content (None when only calls, or
+    nothing), the calls, and the reasoning ("" when the model did not reason)."""
+
+    content: str | None
+    calls: list[ToolCall]
+    reasoning: str
+
+
+def read(text: str, names: Iterable[str], reader_for: ReaderFor = ToolText) -> Read:
+    reader = reader_for(frozenset(names))
+    pieces = reader.feed(text) + reader.finish()
+    calls = [p[1] for p in pieces if p[0] == "call"]
+    content = "".join(p[1] for p in pieces if p[0] == "content")
+    reasoning = "".join(p[1] for p in pieces if p[0] == "reasoning")
+    if calls:
+        # Whitespace around the calls is not content (a stream drops it the same way).
+        return Read(content if content.strip() else None, calls, reasoning)
+    return Read(content, calls, reasoning)
 
 
 def parse(
     text: str, names: Iterable[str], reader_for: ReaderFor = ToolText
 ) -> tuple[str | None, list[ToolCall]]:
     """The content (None when only calls, or nothing) and the calls of a whole answer."""
-    reader = reader_for(frozenset(names))
-    pieces = reader.feed(text) + reader.finish()
-    calls = [p[1] for p in pieces if p[0] == "call"]
-    content = "".join(p[1] for p in pieces if p[0] == "content")
-    if calls:
-        # Whitespace around the calls is not content (a stream drops it the same way).
-        return (content if content.strip() else None), calls
-    return content, calls
+    got = read(text, names, reader_for)
+    return got.content, got.calls
 
 
 def answer_with_calls(
     resp: dict[str, Any], names: Iterable[str], reader_for: ReaderFor = ToolText
 ) -> dict[str, Any]:
-    """A whole chat completion with the calls in its text moved to ``message.tool_calls``."""
+    """A whole chat completion with the calls in its text moved to ``message.tool_calls`` and
+    its reasoning to ``message.reasoning_content`` (absent when it did not reason)."""
     choice = resp["choices"][0]
     message = choice.get("message") or {}
     text = message.get("content")
     if not isinstance(text, str) or message.get("tool_calls"):
         return resp
-    content, calls = parse(text, names, reader_for)
-    if calls:
-        message["content"] = content
-        message["tool_calls"] = [c.to_openai() for c in calls]
+    got = read(text, names, reader_for)
+    if got.calls:
+        message["content"] = got.content
+        message["tool_calls"] = [c.to_openai() for c in got.calls]
         choice["finish_reason"] = "tool_calls"
     elif reader_for is not ToolText:
-        message["content"] = content  # the reply the format's text carries (decoded)
+        message["content"] = got.content  # the reply the format's text carries (decoded)
+    if got.reasoning:
+        message["reasoning_content"] = got.reasoning
     return resp
 
 
@@ -236,16 +288,28 @@ def _tool_delta(index: int, call: ToolCall) -> list[dict[str, Any]]:
 def stream_with_calls(
     chunks: Iterable[dict[str, Any]], names: Iterable[str], reader_for: ReaderFor = ToolText
 ) -> Iterator[dict[str, Any]]:
-    """Chat chunks with the calls in their content turned into ``delta.tool_calls`` chunks."""
+    """Chat chunks with the calls in their content turned into ``delta.tool_calls`` chunks
+    (and what the reader hands out as reasoning into ``delta.reasoning_content`` chunks)."""
     reader = reader_for(frozenset(names))
     emitted = 0
+    # Content that is only whitespace so far waits for text: an answer whose content is only
+    # whitespace around its calls has none (``read``), so its stream must send none either.
+    blank = ""
+    texted = False
 
     def render(base: dict[str, Any], pieces: list[Piece]) -> Iterator[dict[str, Any]]:
-        nonlocal emitted
+        nonlocal emitted, blank, texted
         for kind, value in pieces:
             deltas: list[dict[str, Any]]
             if kind == "content":
+                if not texted and not value.strip():
+                    blank += value
+                    continue
+                if not texted:
+                    value, blank, texted = blank + value, "", True
                 deltas = [{"content": value}]
+            elif kind == "reasoning":
+                deltas = [{"reasoning_content": value}]
             else:
                 deltas = [{"tool_calls": [d]} for d in _tool_delta(emitted, value)]
                 emitted += 1
@@ -264,6 +328,10 @@ def stream_with_calls(
             text = delta.get("content")
             if choice.get("finish_reason") is not None:
                 yield from render(chunk, reader.finish())
+                if blank and not emitted:
+                    # No call: the whitespace is the answer's content after all.
+                    rest, blank, texted = blank, "", True
+                    yield from render(chunk, [("content", rest)])
                 if emitted:
                     choice["finish_reason"] = "tool_calls"
                 yield chunk

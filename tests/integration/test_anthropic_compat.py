@@ -298,8 +298,9 @@ def test_what_claude_code_sends_is_accepted_and_what_was_ignored_is_named(port: 
     for stream in (False, True):
         resp = requests.post(url, json={**body, "stream": stream}, headers=auth, timeout=120)
         assert resp.status_code == 200, resp.text
+        # thinking is not among them: it is the chat's reasoning_effort.
         assert resp.headers["x-residency-ignored"] == (
-            "context_management, thinking, output_config.effort, tools[0] (web_search_20250305)"
+            "context_management, output_config.effort, tools[0] (web_search_20250305)"
         )
     whole = requests.post(url, json=body, headers=auth, timeout=120).json()
     without = dict(body, messages=[*USER, body["messages"][1], body["messages"][3]])

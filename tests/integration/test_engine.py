@@ -65,6 +65,16 @@ class Stepper:
             assert time.monotonic() < deadline, "condition not reached"
         return steps
 
+    def step(self) -> None:
+        """Let exactly one decode through and wait until the engine thread waits for the next
+        permit: what it counts is then settled. Only while it has work to step (it waits in
+        ``decode`` again, not for a job)."""
+        assert self.in_decode.wait(WAIT_S), "the engine is not waiting for a step"
+        self._permits.release()
+        assert self.decoded.acquire(timeout=WAIT_S), "the step did not finish"
+        # Cleared when the permit was taken, set when it waits for the next one.
+        assert self.in_decode.wait(WAIT_S), "the engine did not come back for a step"
+
     def release_all(self) -> None:
         for _ in range(100000):
             self._permits.release()

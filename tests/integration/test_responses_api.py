@@ -247,8 +247,9 @@ def test_what_codex_sends_is_accepted_and_what_was_ignored_is_named(
         tools=[{"type": "web_search"}],
         extra_body={"client_metadata": {"x-codex-turn-metadata": "{}"}},
     )
+    # reasoning.effort is not among them: it is the chat's reasoning_effort.
     assert raw.headers["x-residency-ignored"] == (
-        "client_metadata, reasoning.effort, reasoning.summary, include, tools[0] (web_search)"
+        "client_metadata, reasoning.summary, include, tools[0] (web_search)"
     )
     r = raw.parse()
     assert r.status == "incomplete" and r.tools == []

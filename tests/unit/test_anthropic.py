@@ -171,8 +171,9 @@ def test_fields_that_change_nothing_are_accepted_and_named() -> None:
         ),
         ignored=ignored,
     )
-    assert ignored == ["context_management", "service_tier", "thinking", "output_config.effort"]
-    assert chat == anthropic.to_chat(body())
+    assert ignored == ["context_management", "service_tier", "output_config.effort"]
+    # thinking is not among them: it asks for a reasoning effort (tests/unit/test_reasoning_*).
+    assert chat == {**anthropic.to_chat(body()), "reasoning_effort": "low"}
     # What would change the answer is not ignored.
     assert refused(body(output_config={"verbosity": "low"})).param == "output_config.verbosity"
 
@@ -267,8 +268,12 @@ def test_errors_start_with_the_dotted_field() -> None:
             "messages[0].content[0].type",
         ),
         (
-            body(messages=[{"role": "assistant", "content": [{"type": "thinking"}]}]),
+            body(messages=[{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]),
             "messages[0].content[0].type",
+        ),
+        (
+            body(messages=[{"role": "assistant", "content": [{"type": "thinking"}]}]),
+            "messages[0].content[0].thinking",
         ),
         (
             body(

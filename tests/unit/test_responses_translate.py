@@ -232,13 +232,13 @@ def test_fields_that_change_nothing_are_accepted_and_named() -> None:
     )
     assert tr.ignored == (
         "client_metadata",
-        "reasoning.effort",
         "reasoning.summary",
         "include",
         "tools[1] (web_search)",
         "tools[2] (namespace)",
     )
     assert [t["function"]["name"] for t in tr.chat["tools"]] == ["get_weather"]
+    assert tr.chat["reasoning_effort"] == "medium"  # the effort is used, the summary not
     assert tr.echo["tools"] == [WEATHER]
     assert to_chat(req(reasoning={}, include=[])).ignored == ()
     # Only hosted tools: the request goes on without tools.
@@ -290,7 +290,11 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
         "input[0].content[0].type",
         None,
     ),
-    (req(input=[{"type": "reasoning", "summary": []}]), "input[0].type", "unsupported"),
+    (
+        req(input=[{"type": "reasoning", "summary": [{"type": "text", "text": "x"}]}]),
+        "input[0].summary[0].type",
+        None,
+    ),
     (req(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type", "unsupported"),
     (
         req(input=[{"type": "function_call_output", "call_id": "c1", "output": "x"}]),
