@@ -91,7 +91,7 @@ _IMAGE_PART: Schema = {
             "properties": {
                 "url": {
                     "type": "string",
-                    "description": "a base64 data: URL of a PNG, JPEG, WebP, GIF or BMP image, "
+                    "description": "a base64 data: URL of a PNG, JPEG, GIF or BMP image, "
                     "or an http(s) URL (fetched by the box for a local model)",
                 }
             },

@@ -20,6 +20,7 @@ the model may give, so a pattern too costly to enforce is dropped too, where a f
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -139,3 +140,57 @@ def plan(params: dict[str, Any], how: str | None, chat_format: str | None, strea
         rest = {k: v for k, v in params.items() if k != "tool_choice"}
         return Plan(rest, parse=frozenset(names), schema=call_schema(tools), names=names)
     return Plan(params, parse=frozenset(names), names=names)
+
+
+#: A probe conversation: an assistant turn that called a tool with these arguments (a JSON
+#: string, as OpenAI clients send them back), and its result.
+PROBE_ARGUMENTS = '{"probekey": 1}'
+PROBE_CALL: list[dict[str, Any]] = [
+    {"role": "user", "content": "probeuser"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_probe",
+                "type": "function",
+                "function": {"name": "probefn", "arguments": PROBE_ARGUMENTS},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_probe", "content": "proberesult"},
+]
+
+
+def encodes_arguments(rendered: str | None) -> bool:
+    """Whether a template, given ``PROBE_CALL``, wrote the call's arguments as a JSON string
+    of JSON (``"{\\"probekey\\": 1}"``): Llama 3.1's, gpt-oss's and others pass them through
+    ``tojson`` whatever they are, written for arguments given as an object. Such a model must
+    be given its history's arguments as objects, or it reads its own earlier calls as
+    strings and imitates them (llama-server decides the same from a probe render)."""
+    return rendered is not None and '\\"probekey\\"' in rendered
+
+
+def object_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each assistant tool call's JSON-string arguments as the object they
+    hold (arguments that are not a JSON object stay as sent)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if not isinstance(calls, list):
+            out.append(m)
+            continue
+        new = []
+        for c in calls:
+            fn = c.get("function") if isinstance(c, Mapping) else None
+            args = fn.get("arguments") if isinstance(fn, Mapping) else None
+            if isinstance(args, str):
+                try:
+                    obj = json.loads(args)
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict) and isinstance(fn, Mapping):
+                    c = {**c, "function": {**fn, "arguments": obj}}
+            new.append(c)
+        out.append({**m, "tool_calls": new})
+    return out

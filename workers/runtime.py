@@ -344,9 +344,13 @@ def _batched_llama() -> Any:
             media = None
             if hooks.images is not None and hooks.images.media:
                 assert self.projector is not None
-                # The encoder runs here, in the serving thread, beside the engine's steps.
+                # The encoder runs here, in the serving thread, beside the engine's steps. Each
+                # image counts as progress: a real encoder on a CPU takes seconds an image, and
+                # the stall watchdog must not take eight of them for a hang.
                 for image in hooks.images.media.values():
                     self.projector.encode(image)
+                    if hooks.on_progress is not None:
+                        hooks.on_progress()
                 media = {at: Media(im.n_tokens, im) for at, im in hooks.images.media.items()}
             return completion.create(
                 self,
@@ -732,6 +736,9 @@ class LlamaRuntime:
         # its prompts, and per reasoning_effort whether the prompt leaves an answer inside
         # reasoning (decided at load: ``_read_answers``).
         self._answer = answer_format.AnswerFormat()
+        # Whether its template writes a call's JSON-string arguments as a string of JSON: its
+        # history's arguments are then given as objects (``chat_tools.encodes_arguments``).
+        self._object_arguments = False
         self._template: str | None = None
         self._inside: dict[str | None, bool] = {}
         # Which system messages its chat handler renders where they stand (probed at load).
@@ -812,6 +819,8 @@ class LlamaRuntime:
             self._choose_handler(spec)
             self._system = self._probe_system()
             self._tools = chat_tools.support(self._llm.chat_format, _templates(self._llm))
+            probe = self._renders(chat_tools.PROBE_CALL) if self._tools else None
+            self._object_arguments = chat_tools.encodes_arguments(probe)
             # After both: the answers' format depends on the template and on its tools.
             self._read_answers(spec, backend)
 
@@ -995,6 +1004,8 @@ class LlamaRuntime:
         if cache is not None and cache.scope == "shared_system":
             cache = CacheUse(cache.owner, cache.scope, self._system_tokens(params))
         params, template_kwargs, inside = self._reasoning_params(params)
+        if self._object_arguments and isinstance(params.get("messages"), list):
+            params = {**params, "messages": chat_tools.object_arguments(params["messages"])}
         plan = chat_tools.plan(params, self._tools, self.llm.chat_format, stream)
         params = self._grammars(plan)
         # After the plan: the generic tool format's instructions are a system message too,

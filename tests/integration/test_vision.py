@@ -196,3 +196,23 @@ def test_an_image_is_prefilled_while_three_text_streams_keep_generating(
         assert all(c.end is None for c in texts)
         for c in texts:
             c.job.cancel()
+
+
+def test_each_encoded_image_counts_as_progress_before_the_first_step(models_dir: Path) -> None:
+    # A real encoder on a CPU takes seconds an image: the stall watchdog must see them.
+    with vision_runtime(models_dir, parallel=1, stepped=True) as (rt, st):
+        assert st is not None
+        progress: list[int] = []
+        chat = threading.Thread(
+            target=lambda: rt.chat(
+                {"messages": ask("two", png(seed=5), png(seed=6)), "max_tokens": 1},
+                False,
+                on_progress=lambda: progress.append(rt.engine.steps),
+            ),
+            daemon=True,
+        )
+        chat.start()
+        st.step()  # waits for the first step's decode: the job was submitted, encoded first
+        assert progress[:2] == [0, 0]
+        st.release_all()
+        chat.join(60)
