@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,12 @@ def box(start_pool: Callable[..., Pool], models_dir: Path) -> Iterator[Box]:
     model, proj = vision_files(models_dir)
     models = tiny_models(models_dir)
     models["v"] = {"path": str(model), "mmproj": str(proj), "n_ctx": 1024, "parallel": 4}
-    pool = start_pool(models=models, pool={"max_loaded_models": 2}, policies={"auto": POLICY})
+    pool = start_pool(
+        models=models,
+        pool={"max_loaded_models": 2},
+        policies={"auto": POLICY},
+        debug={"fault_injection": True},
+    )
     with http_server(pool) as port:
         base = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -214,3 +220,59 @@ def test_an_admin_registered_projector_must_lie_in_the_model_directories(
     assert resp.json()["model"]["mmproj"] == str(proj.resolve())
     out = box.client.chat.completions.create(model="eye", messages=ask(), max_tokens=2)  # type: ignore[arg-type]
     assert out.usage is not None and out.usage.prompt_tokens > IMAGE_TOKENS
+
+
+def test_an_image_reserves_its_bound_not_its_bytes_of_a_users_daily_tokens(box: Box) -> None:
+    admin = {"Authorization": "Bearer test-admin-key"}
+    resp = requests.post(
+        f"{box.base}/admin/users",
+        json={"name": "pia", "quotas": {"tokens_per_day": 20_000}},
+        headers=admin,
+        timeout=30,
+    )
+    assert resp.status_code == 201, resp.text
+    resp = requests.post(f"{box.base}/admin/users/pia/keys", json={}, headers=admin, timeout=30)
+    key = {"Authorization": f"Bearer {resp.json()['key']}"}
+    photo = png(320, 240, seed=9)  # ~230 KB: as text, the day's 20,000 tokens ten times over
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": data_url(photo)}},
+            ],
+        }
+    ]
+    faults = f"{box.base}/admin/faults"
+    assert requests.post(faults, json={"hold": {"v": True}}, headers=admin, timeout=30).ok
+    answer: dict[str, Any] = {}
+
+    def image() -> None:
+        body = {"model": "v", "messages": messages, "max_tokens": 2}
+        answer["r"] = requests.post(
+            f"{box.base}/v1/chat/completions", json=body, headers=key, timeout=120
+        )
+
+    held = threading.Thread(target=image)
+    held.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(
+            m["name"] == "v" and m["in_flight"] == 1
+            for m in requests.get(f"{box.base}/health", headers=admin, timeout=30).json()["models"]
+        ):
+            assert time.monotonic() < deadline, "the image request never got in flight"
+            time.sleep(0.05)
+        # While the image is in flight, what it reserved leaves the day room for another
+        # request: its bound, not its bytes.
+        text = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        other = requests.post(
+            f"{box.base}/v1/chat/completions", json=text, headers=key, timeout=120
+        )
+        assert other.status_code == 200, other.text
+    finally:
+        requests.post(faults, json={"hold": {"v": False}}, headers=admin, timeout=30)
+        held.join(120)
+    assert answer["r"].status_code == 200, answer["r"].text
+    # What it used is charged: the image's positions, not its bytes.
+    assert IMAGE_TOKENS < answer["r"].json()["usage"]["total_tokens"] < 1000
