@@ -33,8 +33,9 @@ from coordinator.decide import (
     Wait,
     Yield,
 )
-from residency import errors, keys, metrics, registry, work
+from residency import errors, keys, metrics, registry, tracing, work
 from residency.lua import Fenced, NotLeader, Scripts
+from residency.messages import Request
 from residency.settings import Settings
 from residency.states import ModelState
 
@@ -57,6 +58,7 @@ class Effects:
         # logs and tests (bounded).
         self.evictions: deque[tuple[int, str, str]] = deque(maxlen=100)
         self.pass_number = 0
+        self.tracing = tracing.setup("coordinator")
 
     def apply(
         self,
@@ -151,16 +153,23 @@ class Effects:
             "model_dirs": registry.load_dirs(entry, self.models_dir, s),
             "limits_generation": self.limits_generation,
         }
-        ok, prev = self.scripts.start_load(
-            a.model,
-            token=token,
-            host=a.host,
-            device=a.device,
-            now=time.time(),
-            command=command,
-            lease=self.lease_token,
-            pool=pool,
-        )
+        span = self._load_span(a) if self.tracing.on else None
+        if span is not None:
+            command["trace"] = tracing.traceparent(span)
+        try:
+            ok, prev = self.scripts.start_load(
+                a.model,
+                token=token,
+                host=a.host,
+                device=a.device,
+                now=time.time(),
+                command=command,
+                lease=self.lease_token,
+                pool=pool,
+            )
+        finally:
+            if span is not None:
+                span.end()
         if prev == "not_leader":
             raise NotLeader(f"load of {a.model} refused")
         if not ok:
@@ -169,6 +178,26 @@ class Effects:
         self.fenced().hdel(keys.explicit(), a.model).execute()
         log.info("loading %s on %s/%s", a.model, a.host, a.device)
         return 1
+
+    def _load_span(self, a: Load) -> tracing.Span:
+        """The decision's span, in the trace of the request the load is started for: the next
+        one its queue serves, which ``start_load.lua`` charges the load to (read once more
+        here, only when tracing is on; a request taken in between leaves the load a trace of
+        its own). The command carries its context to the agent."""
+        head = self.r.lindex(keys.queue(a.model), -1)
+        cause = ""
+        if head is not None:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                cause = Request.loads(str(head)).trace
+        return self.tracing.start(
+            "load decision",
+            parent=cause,
+            attributes={
+                "residency.model": a.model,
+                "residency.host": a.host,
+                "residency.device": a.device,
+            },
+        )
 
     def evict(self, a: Evict, now: float, loaded_at: float | None) -> int:
         res = self.scripts.begin_drain(

@@ -81,9 +81,11 @@ def cmd_web(args: argparse.Namespace) -> int:
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True, exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    from web.server import run
+    from residency.web_role import exec_web
 
-    run(box, host=args.host or s.server.host, port=args.port or s.server.port)
+    # A fresh interpreter serves: under gevent it patches before anything imports ssl.
+    host, port = args.host or s.server.host, args.port or s.server.port
+    exec_web(s.server.web_worker_class, host, port, box.data_dir, box.config_path)
     return 0
 
 
@@ -316,6 +318,64 @@ def cmd_tokens(args: argparse.Namespace) -> int:
     return _call(args, "POST", "/admin/tokens", {"name": args.name})
 
 
+PULL_POLL_S = 0.5
+PULL_BAR = 30
+
+
+def render_pull_bar(p: dict[str, Any]) -> str:
+    """One line of a pull's progress: a bar (when its size is known), bytes and state."""
+    done, total = int(p.get("bytes_done") or 0), p.get("bytes_total")
+    if total:
+        filled = min(PULL_BAR, PULL_BAR * done // int(total))
+        bar = "[" + "#" * filled + "-" * (PULL_BAR - filled) + f"] {100 * done // int(total):3d}%"
+        size = f"{_mib(done)}/{_mib(int(total))} MiB"
+    else:
+        bar, size = "[" + "?" * PULL_BAR + "]", f"{_mib(done)} MiB"
+    return f"{p.get('file') or p.get('source')}: {bar} {size} {p.get('state')}"
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    import time
+
+    url, headers = _admin(args)
+    body: dict[str, Any] = {"source": args.source, "mmproj": args.mmproj}
+    for k in ("name", "host", "dir"):
+        if getattr(args, k):
+            body[k] = getattr(args, k)
+    resp = requests.post(url + "/admin/pulls", headers=headers, json=body, timeout=60)
+    if resp.status_code != 202:
+        print(f"residency pull: {resp.status_code}: {resp.text}", file=sys.stderr)
+        return 1
+    p = resp.json()
+    if args.no_wait:
+        print(json.dumps(p, indent=2))
+        return 0
+    tty = sys.stderr.isatty()
+    shown = None
+    while True:
+        # A terminal gets one line redrawn; a log gets a line per state change only.
+        if tty:
+            print("\r" + render_pull_bar(p), end="", file=sys.stderr, flush=True)
+        elif p["state"] != shown:
+            print(render_pull_bar(p), file=sys.stderr, flush=True)
+            shown = p["state"]
+        if p["state"] in ("done", "failed", "cancelled"):
+            break
+        time.sleep(PULL_POLL_S)
+        got = requests.get(f"{url}/admin/pulls/{p['id']}", headers=headers, timeout=30)
+        if got.status_code != 200:
+            print(f"\nresidency pull: {got.status_code}: {got.text}", file=sys.stderr)
+            return 1
+        p = got.json()
+    if tty:
+        print(file=sys.stderr)
+    print(json.dumps(p, indent=2))
+    if p["state"] != "done":
+        print(f"residency pull: {p['state']}: {p.get('error') or ''}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -428,6 +488,16 @@ def parser() -> argparse.ArgumentParser:
     tsub.add_parser("ls")
     tsub.add_parser("rm").add_argument("name")
     tok.set_defaults(func=cmd_tokens)
+
+    pl = common(sub.add_parser("pull", help="download a model onto a host and register it"))
+    pl.add_argument("source", help="hf:ORG/REPO[:QUANT or FILE], or an http(s) URL of a .gguf")
+    pl.add_argument("--url", help="base URL of the box (default: from the config)")
+    pl.add_argument("--name", help="the model's name (default: the file's stem)")
+    pl.add_argument("--host", help="the host to pull onto (default: the only one)")
+    pl.add_argument("--dir", help="one of server.model_dirs (default: the data dir's models/)")
+    pl.add_argument("--mmproj", action="store_true", help="also the repo's vision projector")
+    pl.add_argument("--no-wait", action="store_true", help="print the pull and return at once")
+    pl.set_defaults(func=cmd_pull)
 
     tm = sub.add_parser("tiny-model", help="write a tiny seeded-random llama GGUF")
     tm.add_argument("out", type=Path)

@@ -90,6 +90,20 @@ def footprint(name: str) -> str:
     return f"{PREFIX}footprint:{name}"
 
 
+def load_progress(name: str) -> str:
+    """string, TTL ``LOAD_PROGRESS_TTL_S`` (renewed at each write): how far the current load of
+    a model has come, JSON ``{"token": <the load's token>, "fraction": 0.0-1.0}``. Written by
+    the model process while it loads (at most every ``workers.load_progress.PUBLISH_S``) and
+    deleted when its load ends; read by web for the streaming requests that wait for that model
+    (only while the model's state is loading under the same token, so a stale one never
+    shows)."""
+    return f"{PREFIX}load-progress:{name}"
+
+
+#: How long a load's progress outlives its last write (a model process that died mid-load).
+LOAD_PROGRESS_TTL_S = 60
+
+
 def kvcache_epochs() -> str:
     """hash ``"*" | model name -> int`` (HINCRBY), no TTL: the clear epochs of the saved slot
     caches. Bumped by the admin API when a cache is emptied (``"*"``: every model's) and when a
@@ -403,6 +417,38 @@ def audit() -> str:
     return f"{PREFIX}audit"
 
 
+def pull(pull_id: str) -> str:
+    """hash, one pull of a model file (``residency pull``): ``id``, ``source``, ``host``,
+    ``name``, ``dir``, the resolved ``file`` / ``url`` / ``size`` / ``sha256`` (and ``mmproj_*``
+    for its projector), ``state`` (see ``residency.pulls.PullState``), ``bytes_done``,
+    ``bytes_total``, ``error``, ``created``, ``finished``, ``cancel`` ("1": an admin asked to
+    stop it). Created by the admin API (``POST /admin/pulls``); progress and state written by
+    the agent of its host, state only through ``pull_store``'s compare-and-set script. TTL
+    ``PULL_TTL_S`` once finished."""
+    return f"{PREFIX}pull:{pull_id}"
+
+
+def pulls() -> str:
+    """sorted set of pull ids, score = creation time, no TTL: the pulls ``GET /admin/pulls`` and
+    ``/health`` list. Added with each pull by the admin API; ids whose record expired are
+    pruned when it is read, and it is capped at ``PULLS_KEPT`` (oldest finished first)."""
+    return f"{PREFIX}pulls"
+
+
+def pull_queue(host: str) -> str:
+    """list of pull ids waiting for the agent on ``host``, no TTL, bounded (with
+    ``pull_taken``) by ``pulls.max_queued`` in the enqueue script. Written by the admin API;
+    the agent moves the head to ``pull_taken`` (BLMOVE) when it starts it."""
+    return f"{PREFIX}pull-queue:{host}"
+
+
+def pull_taken(host: str) -> str:
+    """list holding the pull id the agent on ``host`` runs (one at a time), removed (LREM) when
+    it finishes; moved back to the front of ``pull_queue`` by the agent when it restarts, so
+    an interrupted pull resumes from its partial file."""
+    return f"{PREFIX}pull-taken:{host}"
+
+
 REPLY_TTL_S = 600
 PROGRESS_TTL_S = 3600
 SERVICE_TTL_S = 86400
@@ -417,6 +463,9 @@ ANONYMOUS = "anon"
 WORKER_TTL_S = 10
 LEADER_TTL_MS = 5000
 AUDIT_MAX = 1000
+#: A finished pull's record is kept this long, and at most this many pulls are listed.
+PULL_TTL_S = 7 * 86400
+PULLS_KEPT = 200
 IDLE_WATCH_TTL_S = 30
 CONVERSATION_TTL_S = 3600
 #: The crash-loop window: a model that failed this many times within it fails fast.

@@ -58,6 +58,9 @@ class Request:
     # The weight of the caller's key when web submitted it: its share of the model's turns, of
     # its queue and of the model process's slots. Older JSON has none: 1.
     weight: float = 1.0
+    # The W3C ``traceparent`` of web's submit span when tracing is on ("" when off, and in
+    # older JSON): the model process's spans for it join the request's trace.
+    trace: str = ""
 
     def dumps(self) -> str:
         # ``id`` is the first field, written first: the Lua scripts read a queued request's id
@@ -80,6 +83,7 @@ class Request:
             key=str(d.get("key", "")),
             cache_scope=str(d.get("cache_scope", "user")),
             weight=float(d.get("weight", 1.0)),
+            trace=str(d.get("trace", "")),
         )
 
 

@@ -353,6 +353,26 @@ class CacheSettings(_Strict):
     )
 
 
+class PullSettings(_Strict):
+    """Model files pulled onto a host by the admin (``residency pull``, ``POST /admin/pulls``)."""
+
+    max_queued: int = _key(
+        4,
+        LIVE,
+        "pulls one host holds at once, the running one included; another is refused (429)",
+        ge=1,
+        le=100,
+    )
+    disk_reserve_mb: int = _key(
+        1024,
+        LIVE,
+        "disk a pull must leave free on its model folder, in MiB, beside the file's size; a "
+        "pull that would not is refused before it starts",
+        ge=0,
+        le=1 << 24,
+    )
+
+
 class ImageSettings(_Strict):
     """What web takes of a chat request's images for a local model (a remote model's request
     is forwarded whole: its upstream fetches and judges them)."""
@@ -492,6 +512,10 @@ class ModelSpec(_Strict):
     # expires.
     ttl_s: float | None = Field(None, ge=0, le=31_536_000)
     preload: bool = False
+    # Read by web for each request (live): a chat stream that waits for this model's load is
+    # shown its progress as reasoning ("loading NAME 40%"), which chat UIs display; every
+    # stream gets it as SSE comments whatever this says.
+    show_loading: bool = False
 
     @field_validator("api_key_env")
     @classmethod
@@ -550,6 +574,7 @@ class Settings(_Strict):
     metrics: MetricsSettings = MetricsSettings()
     cache: CacheSettings = CacheSettings()
     images: ImageSettings = ImageSettings()
+    pulls: PullSettings = PullSettings()
     models: dict[str, ModelSpec] = {}
     # Router policies, as written; checked against ``models`` by ``_policies`` below and kept
     # raw because the registry (not this file) is what they are finally resolved against.
@@ -588,6 +613,7 @@ SECTIONS: dict[str, type[_Strict]] = {
     "metrics": MetricsSettings,
     "cache": CacheSettings,
     "images": ImageSettings,
+    "pulls": PullSettings,
 }
 
 

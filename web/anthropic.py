@@ -703,6 +703,15 @@ class StreamEvents:
         # streams always begin with ``message_start``.
         return [{"type": "ping"}]
 
+    def thought(self, text: str) -> list[dict[str, Any]]:
+        """A thinking delta of the server's own before the model's answer (its model's load):
+        the message starts without its prompt's tokens, which ``message_delta`` reports."""
+        out = self._start(0)
+        if self._open != "thinking":
+            out += self._open_block(thinking_block(""))
+        delta = {"type": "thinking_delta", "thinking": text}
+        return [*out, {"type": "content_block_delta", "index": self._index, "delta": delta}]
+
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
         out = self._start(int(chunk.get("prompt_tokens") or 0))
         if isinstance(chunk.get("timings"), dict):

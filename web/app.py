@@ -12,11 +12,13 @@ from residency.box import Box
 from residency.errors import ApiError
 from web import (
     admin_api,
+    admin_pulls,
     admin_users,
     auth,
     bus,
     guard,
     messages_api,
+    ollama_api,
     openai_api,
     openapi,
     ops,
@@ -24,6 +26,7 @@ from web import (
     replicated,
     rerank_api,
     responses_api,
+    traces,
     ui,
 )
 from web.body import too_large
@@ -106,6 +109,8 @@ def create_app(box: Box | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions[EXTENSION] = State(box or Box.from_env())
     _register_errors(app)
+    # Before the other hooks: its server span covers them (nothing is added when it is off).
+    traces.install(app)
     # A request a web page made for its own ends is refused before anything reads it; then
     # authentication: a caller without a valid key learns nothing else (not even 413).
     app.before_request(guard.check)
@@ -119,8 +124,10 @@ def create_app(box: Box | None = None) -> Flask:
     app.register_blueprint(responses_api.bp)
     app.register_blueprint(rerank_api.bp)
     app.register_blueprint(messages_api.bp)
+    app.register_blueprint(ollama_api.bp)
     app.register_blueprint(admin_api.bp)
     app.register_blueprint(admin_users.bp)
+    app.register_blueprint(admin_pulls.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(ui.bp)
     app.register_blueprint(openapi.bp)

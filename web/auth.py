@@ -105,8 +105,8 @@ def unauthorized(message: str) -> Response:
 
 def _protected(path: str) -> bool | None:
     """None: open; False: an API path; True: /health or /metrics."""
-    if path.startswith("/v1/") or path == "/v1":
-        return False
+    if path.startswith(("/v1/", "/api/")) or path == "/v1":
+        return False  # the OpenAI, Anthropic and Ollama APIs
     if path in ("/health", "/metrics"):
         return True
     return None

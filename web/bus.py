@@ -7,7 +7,9 @@ by the timeout is withdrawn (``withdraw.lua``): out of the queue if nobody took 
 cancel flag tells the model process that took it to stop. While no reply has come, the wait
 also watches the client's connection (``client_gone``), so a client that goes away while its
 request is queued has it withdrawn before any model process generates it, and the request's
-deadline (``server.request_deadline_s``), so one still queued then is answered 504 at once.
+deadline (``server.request_deadline_s``), so one still queued then is answered 504 at once,
+and, for a stream, its model's load (``web.load_progress``: each step is handed on like a
+keep-alive, in a ``Batch`` of its own).
 A queued request may also be pushed out to make room for another user's (a full queue, or a
 full web worker, see ``web/admission.py``): it leaves the queue together with a 429 on its reply
 stream, which its reader answers its client with like any other reply.
@@ -26,11 +28,11 @@ from typing import Any
 import redis
 from prometheus_client import Counter, Histogram
 
-from residency import errors, keys, metrics
+from residency import errors, keys, metrics, tracing
 from residency.errors import ApiError
 from residency.lua import Scripts
 from residency.messages import Event, EventType, Kind, ReplyType, Request, new_request_id
-from web import admission
+from web import admission, load_progress, traces
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,9 @@ class Call:
         self._deadline_checked = False
         self.closed = False
         self.finished = False  # its last reply message was read (the stream may still exist)
+        # A stream's watch of its model's load (``web.load_progress``), set once it was queued:
+        # each step is yielded while no reply has come.
+        self.watch_load: load_progress.Watch | None = None
 
     @property
     def model(self) -> str:
@@ -173,6 +178,11 @@ class Call:
                 log.info("client of request %s went away; withdrawing it", self.req.id)
                 self.abandon()
                 raise errors.client_closed(self.model)
+            if self.watch_load is not None and self._last_id == "0-0":
+                step = self.watch_load.poll()
+                if step is not None:
+                    quiet_since = time.monotonic()  # it is traffic, as a keep-alive is
+                    yield None, {"loading": step}
             try:
                 self._check_deadline()
                 resp: Any = self.r.xread(
@@ -210,6 +220,8 @@ class Call:
         """How long one read may block: at most a second (or the keep-alive interval), and no
         later than the deadline (so a request still queued then is answered at once)."""
         wait = min(left, 1.0, self.keepalive_s or 1.0)
+        if self.watch_load is not None and self._last_id == "0-0":
+            wait = min(wait, self.watch_load.wait_s())
         if self.req.deadline and not self._deadline_checked:
             wait = min(wait, self.req.deadline - time.time())
         return max(1, int(wait * 1000))
@@ -246,7 +258,7 @@ class Call:
         batch = Batch()
         for kind, data in self._read():
             if kind is None:
-                yield Batch([KEEPALIVE])
+                yield Batch([data.get("loading") or KEEPALIVE])
             elif kind is ReplyType.CHUNK:
                 batch.chunks.extend(data.get("chunks", []))
                 if self._drained:
@@ -329,6 +341,7 @@ def submit(
     come, first served. ``cache_scope``: ``[cache] scope`` now (whose cached prompt prefixes the
     model process may reuse for it)."""
     now = time.time()
+    span = traces.submit_span(model, user)
     req = Request(
         id=new_request_id(),
         kind=kind,
@@ -341,7 +354,27 @@ def submit(
         key=key,
         cache_scope=cache_scope,
         weight=weight,
+        trace=tracing.traceparent(span) if span is not None else "",
     )
+    try:
+        return _submit(r, scripts, req, bound, may_load, fair, timeout_s, client_gone, keepalive_s)
+    finally:
+        if span is not None:
+            span.end()
+
+
+def _submit(
+    r: redis.Redis,
+    scripts: Scripts,
+    req: Request,
+    bound: int,
+    may_load: bool,
+    fair: bool,
+    timeout_s: float,
+    client_gone: Callable[[], bool] | None,
+    keepalive_s: float,
+) -> Call:
+    model, user, weight = req.model, req.user, req.weight
     item = req.dumps()
     push_out: tuple[str, dict[str, Any]] | None = None
     try:

@@ -25,6 +25,7 @@ from residency.errors import ApiError
 from residency.messages import REPORT_PARAM, Kind
 from web import anthropic, bus, pipeline, stream, validation
 from web.body import read_json, too_large
+from web.load_progress import Loading
 from web.responses import error_response  # Anthropic's envelope on these paths
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def _messages() -> Any:
     model = v.model
     headers = pipeline.headers(d.target)
     if d.batches is not None:
-        return _stream(d.batches, model, d.abandon, headers)
+        return _stream(d.batches, model, d.abandon, headers, d.target.show_loading)
     assert d.result is not None
     return jsonify(anthropic.to_message(d.result, model)), 200, headers
 
@@ -115,8 +116,9 @@ class _Events:
     """Anthropic's stream (``anthropic.StreamEvents``) as a ``stream.Dialect``: an error after
     the stream started is an ``error`` event, and the message ends there."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, show_loading: bool = False) -> None:
         self._events = anthropic.StreamEvents(model)
+        self._show_loading = show_loading
 
     def start(self) -> str:
         return ""
@@ -128,6 +130,17 @@ class _Events:
         if not self._events.started:
             return stream.KEEPALIVE  # message_start comes first, with the prompt's tokens
         return "".join(map(anthropic.sse, self._events.ping()))
+
+    def loading(self, step: Loading) -> str:
+        # The comment, a thinking delta with ``show_loading`` (it starts the message: nothing
+        # comes before ``message_start`` but pings), and a ping, which Anthropic's clients
+        # take at any point.
+        out = stream.loading_comment(step)
+        if self._show_loading:
+            out += "".join(
+                map(anthropic.sse, self._events.thought(stream.loading_text(step) + "\n"))
+            )
+        return out + "".join(map(anthropic.sse, self._events.ping()))
 
     def end(self) -> str:
         return "".join(map(anthropic.sse, self._events.end()))
@@ -141,6 +154,7 @@ def _stream(
     model: str,
     on_abandon: Callable[[], None] | None,
     headers: dict[str, str],
+    show_loading: bool = False,
 ) -> Response:
     """Anthropic's events for a chat stream (see ``web.stream``)."""
-    return stream.response(batches, _Events(model), on_abandon, headers)
+    return stream.response(batches, _Events(model, show_loading), on_abandon, headers)

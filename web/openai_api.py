@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from residency.policy_store import PolicyEntry
 from residency.registry import Entry, all_entries
 from web import auth, openapi, stream, validation
 from web.body import read_json
+from web.load_progress import Loading
 from web.pipeline import (
     admit_target,
     admitted,
@@ -50,11 +52,15 @@ _DONE = "data: [DONE]\n\n"
 class ChunkStream:
     """OpenAI's stream: each chunk as a ``data:`` line (named for the model asked for, the
     first carrying the route trace when one was asked for), an error as an error envelope,
-    then ``data: [DONE]``."""
+    then ``data: [DONE]``. Its model's load is shown as comment lines and, with
+    ``show_loading`` (a chat), as ``reasoning_content`` deltas that chat UIs display."""
 
-    def __init__(self, model: str, trace: dict[str, Any] | None) -> None:
+    def __init__(
+        self, model: str, trace: dict[str, Any] | None, show_loading: bool = False
+    ) -> None:
         self._model = model
         self._trace = trace
+        self._show_loading = show_loading
 
     def start(self) -> str:
         return ""
@@ -67,6 +73,20 @@ class ChunkStream:
 
     def keepalive(self) -> str:
         return stream.KEEPALIVE
+
+    def loading(self, step: Loading) -> str:
+        out = stream.loading_comment(step)
+        if self._show_loading:
+            delta = {"role": "assistant", "reasoning_content": stream.loading_text(step) + "\n"}
+            chunk = {
+                "id": "chatcmpl-loading",
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": self._model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+            }
+            out += _sse(chunk)
+        return out
 
     def end(self) -> str:
         return _DONE
@@ -109,7 +129,7 @@ def _generate_admitted(
     if not want_trace:
         t.trace = None
     if d.batches is not None:
-        dialect = ChunkStream(t.entry.name, t.trace)
+        dialect = ChunkStream(t.entry.name, t.trace, kind is Kind.CHAT and t.show_loading)
         return stream.response(d.batches, dialect, d.abandon, headers(t))
     assert d.result is not None
     out = d.result

@@ -529,6 +529,7 @@ _DESCRIPTIONS = {
     500: "internal error",
     503: "not ready or Redis unavailable (Retry-After)",
     504: "deadline exceeded",
+    501: "not served by this box",
 }
 
 
@@ -613,6 +614,22 @@ def _admin(
 
 
 _NAME = [_path_param("name")]
+_PULL = _obj(
+    "id",
+    "state",
+    id=_STR,
+    source=_STR,
+    host=_STR,
+    name=_STR,
+    file=_STR,
+    state={
+        "type": "string",
+        "enum": ["queued", "downloading", "verifying", "done", "failed", "cancelled"],
+    },
+    bytes_done=_INT,
+    bytes_total={"type": ["integer", "null"]},
+    error={"type": ["string", "null"]},
+)
 _WRITTEN = _obj("generation", generation=_INT)
 
 
@@ -721,6 +738,32 @@ def _admin_paths() -> dict[str, Schema]:
                     _query("model", "one model"),
                 ],
             )
+        },
+        "/admin/pulls": {
+            "get": _admin("Model pulls, newest first", answer=_obj("pulls", pulls=_list(_PULL))),
+            "post": _admin(
+                "Pull a model file onto a host and register it (hf:ORG/REPO[:QUANT or FILE] or "
+                "an http(s) URL of a .gguf); 429 when the host's pull queue is full",
+                status=202,
+                body=_obj(
+                    "source",
+                    source=_STR,
+                    name=_STR,
+                    host=_STR,
+                    dir=_STR,
+                    mmproj={"type": "boolean"},
+                ),
+                answer=_PULL,
+            ),
+        },
+        "/admin/pulls/{pull_id}": {
+            "get": _admin("One pull", params=[_path_param("pull_id")], answer=_PULL),
+            "delete": _admin(
+                "Cancel a pull (its partial file is removed)",
+                status=202,
+                params=[_path_param("pull_id")],
+                answer=_PULL,
+            ),
         },
         "/admin/users": {
             "get": _admin("Users", answer=_obj("users", users=_list(_OBJ))),
@@ -883,6 +926,70 @@ def _api_paths() -> dict[str, Schema]:
     }
 
 
+_OLLAMA_ERROR: Schema = {
+    "type": "object",
+    "description": "Ollama's error object (/api/*; in a stream, its last line)",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
+
+
+def _ollama_paths() -> dict[str, Schema]:
+    """Ollama's API (web.ollama_api): its bodies are checked by the translator (web.ollama)
+    and then by the chat validator; unknown fields are accepted and named as ignored."""
+
+    def body(*fields: str, required: tuple[str, ...] = ("model",)) -> Schema:
+        return _body({f: {} for f in fields}, required, closed=False)
+
+    def post(summary: str, req: Schema, ok: Schema | None = None, **kw: Any) -> Schema:
+        kw.setdefault("errors", _API_ERRORS)
+        answer = ok or {"200": _json(_OBJ)}
+        return {
+            "post": _op(summary, answer, tag="ollama", body=req, error="OllamaError",
+                        security=_API_SECURITY, **kw)
+        }  # fmt: skip
+
+    def get(summary: str) -> Schema:
+        ok = {"200": _json(_OBJ)}
+        return {
+            "get": _op(summary, ok, tag="ollama", errors=(401, 503), error="OllamaError",
+                       security=_API_SECURITY)
+        }  # fmt: skip
+
+    ndjson: Schema = {
+        "200": {
+            "description": "NDJSON lines (stream unset or true), or one JSON object",
+            "content": {
+                "application/x-ndjson": {"schema": _OBJ},
+                "application/json": {"schema": _OBJ},
+            },
+        }
+    }
+    generation = ("model", "format", "options", "stream", "think", "keep_alive")
+    generate = ("prompt", "suffix", "images", "system", "template", "context", "raw")
+    embed = ("model", "input", "truncate", "options", "keep_alive")
+    return {
+        "/api/chat": post("Chat (Ollama)", body(*generation, "messages", "tools"), ndjson),
+        "/api/generate": post("Generate (Ollama)", body(*generation, *generate), ndjson),
+        "/api/embed": post("Embeddings (Ollama)", body(*embed, required=("model", "input"))),
+        "/api/embeddings": post(
+            "Embedding, legacy (Ollama)",
+            body("model", "prompt", "options", "keep_alive", required=("model", "prompt")),
+        ),
+        "/api/show": post(
+            "One model's details (Ollama)",
+            body("model", "name", required=()),
+            errors=(400, 401, 403, 404, 503),
+        ),
+        "/api/pull": post(
+            "Pull a model (Ollama): not served", body("model", required=()), errors=(401, 501)
+        ),
+        "/api/tags": get("Models and policies this key may use (Ollama)"),
+        "/api/ps": get("Resident models this key may use (Ollama)"),
+        "/api/version": get("The Ollama API version spoken (Ollama)"),
+    }
+
+
 @cache
 def document() -> Schema:
     """The whole document (built once per process: it depends on code only)."""
@@ -891,6 +998,7 @@ def document() -> Schema:
         "ResponseRequest": _responses_body(),
         "MessageRequest": _messages_body(count=False),
         "CountTokensRequest": _messages_body(count=True),
+        "OllamaError": _OLLAMA_ERROR,
         "SettingsSchema": _settings_schema(),
     }
     return {
@@ -902,7 +1010,7 @@ def document() -> Schema:
             "embeddings, models, responses), Anthropic's Messages API, and admin and "
             "operations endpoints.",
         },
-        "paths": {**_api_paths(), **_admin_paths(), **_ops_paths()},
+        "paths": {**_api_paths(), **_ollama_paths(), **_admin_paths(), **_ops_paths()},
         "components": {
             "schemas": schemas,
             "securitySchemes": {

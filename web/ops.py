@@ -13,13 +13,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from residency import keys
+from residency import keys, pull_store
 from residency.metrics import RedisCollector
 from web.state import state
 
 bp = Blueprint("ops", __name__)
 
 RETRY_AFTER_S = 2
+#: The newest pulls /health lists (GET /admin/pulls lists them all).
+HEALTH_PULLS = 20
 
 
 def _unavailable(body: dict[str, Any]) -> Response:
@@ -81,6 +83,8 @@ def health() -> Any:
     # This web process's view: why its last settings reload failed (it keeps serving with the
     # last good settings), or null.
     record["config_error"] = st.config_error()
+    # Model pulls, read live (the agents write their progress; no coordinator pass needed).
+    record["pulls"] = pull_store.listing(st.r, limit=HEALTH_PULLS)
     return jsonify(record)
 
 

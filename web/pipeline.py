@@ -28,7 +28,18 @@ from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.registry import Entry
 from residency.settings import ModelSpec
-from web import admission, auth, bus, image_fetch, image_inputs, quota, remote, routing, validation
+from web import (
+    admission,
+    auth,
+    bus,
+    image_fetch,
+    image_inputs,
+    load_progress,
+    quota,
+    remote,
+    routing,
+    validation,
+)
 from web.body import check_size
 from web.state import State, View, state
 
@@ -89,6 +100,8 @@ class Target:
     route: str | None = None  # the x-residency-route header value
     trace: dict[str, Any] | None = None
     admitted: bool = False  # admitted against its caller's quotas before it was routed
+    # Show its model's load as reasoning (``[models.X] show_loading``, or its policy's).
+    show_loading: bool = False
 
 
 #: The model type each request kind needs (any other kind: "llm"), and what it is called.
@@ -154,7 +167,15 @@ def resolve(
             # Admitted before the candidate was known: its load-seconds quota is checked now.
             quota.admit_load(st.r, st.scripts, quota.principal(), entry.name)
         header = routing.route_header(model, decision)
-        return Target(entry, view, header, decision.trace, admitted=v is not None)
+        show = policy.spec.get("show_loading")
+        return Target(
+            entry,
+            view,
+            header,
+            decision.trace,
+            admitted=v is not None,
+            show_loading=entry.spec.show_loading if show is None else bool(show),
+        )
     if entry is None:
         raise errors.model_not_found(model)
     if not caller.may_use_model(model):
@@ -162,7 +183,7 @@ def resolve(
     check_type(entry, kind)
     if v is not None:
         vision.refuse_images(v.params, entry.name, entry.spec)
-    return Target(entry, view)
+    return Target(entry, view, show_loading=entry.spec.show_loading)
 
 
 def policy_cap(st: State, policy: PolicyEntry) -> int:
@@ -338,6 +359,9 @@ def submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Cal
         weight=caller.weight,
         cache_scope=t.view.settings.cache.scope,
     )
+    if v.stream:
+        # Queued for this model (its scopes and quotas passed): it may see the model's load.
+        call.watch_load = load_progress.Watch(st.r, t.entry.name)
     place = g.get("in_flight_place")
     if isinstance(place, admission.Place):
         place.call = call  # from now on it can make room for another user's (see _admitted)

@@ -20,6 +20,7 @@ from residency.errors import ApiError
 from residency.messages import Kind
 from web import bus, stream, validation
 from web.body import read_json
+from web.load_progress import Loading
 from web.pipeline import Target, admitted, count_request, dispatch, headers, ignore
 from web.responses_output import Events, Meta, from_chat, new_id
 from web.responses_request import to_chat
@@ -70,6 +71,9 @@ class _Events:
 
     def keepalive(self) -> str:
         return stream.KEEPALIVE
+
+    def loading(self, step: Loading) -> str:
+        return stream.loading_comment(step)
 
     def end(self) -> str:
         return "".join(map(_sse, self._events.finish()))

@@ -9,7 +9,8 @@ write (one HTTP chunk), the end of the stream with the last one. A stream that d
 normally (its client left, or it failed) stops its generation (``abandon_on_exit``).
 
 What differs is a ``Dialect``: the events it sends first, for a chunk, for a keep-alive, at the
-end and for an error.
+end and for an error; and how it shows a waiting client its model's load (``ShowsLoading``:
+``loading_text`` is what every dialect says of it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flask import Response
 
 from residency.errors import ApiError
 from web import bus
+from web.load_progress import Loading
 from web.pipeline import SSE_HEADERS, abandon_on_exit
 
 #: A comment line: clients ignore it, proxies with idle timeouts see traffic.
@@ -44,11 +46,41 @@ class Dialect(Protocol):
     def fail(self, error: ApiError) -> str: ...
 
 
+class ShowsLoading(Protocol):
+    """A dialect that shows its waiting client the load of its model (``loading``); any other
+    gets a keep-alive for each step instead."""
+
+    def loading(self, step: Loading) -> str: ...
+
+
+def loading_text(step: Loading) -> str:
+    """What a client is told of a load it waits for: ``loading MODEL 40%``."""
+    return f"loading {step.model} {step.percent}%"
+
+
+def loading_comment(step: Loading) -> str:
+    """A load's step as an SSE comment line (clients ignore it; a person reading the stream,
+    or a client that shows comments, sees it)."""
+    return f": {loading_text(step)}\n\n"
+
+
+def loading_event(step: Loading, dialect: Dialect) -> str:
+    """A load's step in ``dialect``: what its ``loading`` writes, or a keep-alive."""
+    show = getattr(dialect, "loading", None)
+    return str(show(step)) if show is not None else dialect.keepalive()
+
+
+def _rendered(c: Any, dialect: Dialect) -> str:
+    if c is bus.KEEPALIVE:
+        return dialect.keepalive()
+    if isinstance(c, Loading):
+        return loading_event(c, dialect)
+    return dialect.chunk(c)
+
+
 def render(batch: bus.Batch, dialect: Dialect) -> str:
     """A batch's chunks (not its end: ``response`` ends the stream once)."""
-    return "".join(
-        dialect.keepalive() if c is bus.KEEPALIVE else dialect.chunk(c) for c in batch.chunks
-    )
+    return "".join(_rendered(c, dialect) for c in batch.chunks)
 
 
 def response(

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import redis
 
-from residency import hosts, keys, ledger, procs, work
+from residency import hosts, keys, ledger, procs, tracing, work
 from residency.box import Box, ConfigStore
 from residency.errors import ApiError, model_stalled
 from residency.loops import Waker, blmove, run_until_stopped
@@ -42,6 +42,7 @@ from residency.messages import Event, EventType
 from residency.settings import CACHE_DIR_ENV
 from residency.states import OCCUPYING, ModelState
 from workers import devices, kvstore
+from workers.pull import PullRunner
 
 log = logging.getLogger("residency.agent")
 
@@ -96,6 +97,7 @@ class Agent:
             devices.device_totals(self.devices), ws.device_budget_mb, ws.memory_reserve_mb
         )
         self.waker: Waker | None = None  # set by run(): a stop unblocks the command read
+        self.tracing = tracing.setup("agent")
         self.children: dict[str, Child] = {}
         # Guards ``children`` between the loop (which changes it) and the heartbeat thread
         # (which reports it).
@@ -118,6 +120,8 @@ class Agent:
         self.cache_dir = box.slot_cache_dir(box.base_settings())
         self._cache_epochs: dict[str, int] | None = None
         self._cache_swept = 0.0
+        # Model files the admin pulls onto this host: downloaded on a thread of their own.
+        self.puller = PullRunner(box, r, self.host, self.stop)
 
     # -- registration -----------------------------------------------------------------------
 
@@ -230,11 +234,14 @@ class Agent:
         )
         beat = threading.Thread(target=self.beat_until_stopped, name="heartbeat", daemon=True)
         beat.start()
+        pulls = threading.Thread(target=self.puller.run, name="pulls", daemon=True)
+        pulls.start()
         self.waker = Waker(self.r, self.stop)
         try:
             run_until_stopped(self.stop, self.iteration, log, "agent loop")
         finally:
             beat.join(timeout=10)  # before deregistering: a late beat would re-register
+            pulls.join(timeout=10)
             self.shutdown()
             self.waker.close()
 
@@ -298,6 +305,36 @@ class Agent:
         self.ack(raw)
 
     def start(self, model: str, token: str, device: str, raw: str) -> None:
+        if not self.tracing.on:
+            self._start(model, token, device, raw)
+            return
+        try:
+            cmd = json.loads(raw)
+            parent = str(cmd.get("trace", ""))
+        except ValueError:
+            cmd, parent = None, ""
+        span = self.tracing.start(
+            "load command",
+            parent=parent,
+            attributes={
+                "residency.model": model,
+                "residency.host": self.host,
+                "residency.device": device,
+            },
+        )
+        try:
+            # The model process's load span is this one's child: the command it is given (not
+            # ``raw``, which stays the taken list's item) carries this span's context.
+            if isinstance(cmd, dict):
+                cmd["trace"] = tracing.traceparent(span)
+                raw = json.dumps(cmd)
+            warm = self._start(model, token, device, raw)
+            span.set_attribute("residency.warm", warm)
+        finally:
+            span.end()
+
+    def _start(self, model: str, token: str, device: str, raw: str) -> bool:
+        """Start ``model``'s process (a warm standby's when there is one: True)."""
         # The child is on the reported list before it can commit its load (see heartbeat).
         warm = self.standbys.pop(device, None)
         if warm is not None and warm.proc.poll() is None:
@@ -305,11 +342,12 @@ class Agent:
                 self.children[model] = Child(model, token, device, warm.proc)
             self.r.rpush(keys.standby(self.host, warm.token), raw)
             log.info("%s goes to the warm process %d on %s", model, warm.proc.pid, device)
-        else:
-            proc = self._spawn(device, "--command", raw)
-            with self._lock:
-                self.children[model] = Child(model, token, device, proc)
-            log.info("spawned %s (pid %d) on %s", model, proc.pid, device)
+            return True
+        proc = self._spawn(device, "--command", raw)
+        with self._lock:
+            self.children[model] = Child(model, token, device, proc)
+        log.info("spawned %s (pid %d) on %s", model, proc.pid, device)
+        return False
 
     def _spawn(self, device: str, *args: str) -> subprocess.Popen[bytes]:
         """A model process pinned to ``device`` (one GPU visible, or the device's CPU cores)."""
@@ -318,6 +356,8 @@ class Agent:
         # The model process reads the live [cache] settings as this agent does, and saves its
         # slots into this host's folder.
         env.update(self.box.child_environ())
+        # Traced as this agent is (the collector, its headers, the sampler), as its own service.
+        env.update(tracing.child_environ(os.environ))
         env[CACHE_DIR_ENV] = str(self.cache_dir)
         env["RESIDENCY_REDIS_URL"] = self.box.redis_url or ""
         preexec = procs.die_with_parent()

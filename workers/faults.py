@@ -1,7 +1,8 @@
 """Fault injection for drills and tests (``[debug] fault_injection = true`` only).
 
 ``FaultyRuntime`` wraps the real runtime behind the same interface and reads the faults hash
-that ``POST /admin/faults`` writes: a load delay, a one-shot load failure, a hold that keeps a
+that ``POST /admin/faults`` writes: a load delay (reported as the load's progress, in steps),
+a one-shot load failure, a hold that keeps a
 model busy before its first token (like a long prompt: it counts as progress and honours
 cancel, deadline and stop), a per-token delay (so a test can make "busy" or "slow"
 deterministic instead of racing a fast model), and a hang: a generation that blocks with no
@@ -38,6 +39,7 @@ from residency.lua import Scripts
 from residency.settings import ModelSpec
 from workers.completion import CacheUse, OnUsage
 from workers.engine import Backend, Sampler, Sampling, SlotImage
+from workers.load_progress import OnLoadProgress
 from workers.runtime import OnStep, Runtime
 from workers.slot_cache import SlotCache
 
@@ -45,6 +47,18 @@ log = logging.getLogger("residency.model")
 
 POLL_S = 0.05
 HOLD_LIMIT_S = 600.0
+
+
+#: A slowed load reports its delay as this share of its progress, in ``DELAY_STEPS`` even
+#: steps (a test sees several distinct steps, whatever the poll timing), the real load after.
+DELAY_SHARE = 0.5
+DELAY_STEPS = 10
+
+
+def delay_progress(elapsed: float, delay: float) -> float:
+    """The progress reported ``elapsed`` seconds into an injected load delay of ``delay``."""
+    step = min(DELAY_STEPS - 1, int(DELAY_STEPS * elapsed / delay))
+    return DELAY_SHARE * step / DELAY_STEPS
 
 
 class InjectedLoadFailure(RuntimeError):
@@ -186,16 +200,21 @@ class FaultyRuntime:
     def parallel(self) -> int:
         return self.inner.parallel
 
-    def load(self, spec: ModelSpec, device: str) -> None:
+    def load(self, spec: ModelSpec, device: str, on_progress: OnLoadProgress | None = None) -> None:
         # The delay is re-read while waiting, so a drill can end a slow load early by lowering
         # it; the wait wakes at once on shutdown (a slow load never holds up teardown).
         started = time.monotonic()
         key = f"load_delay_s:{self.model}"
+        delayed = False
         while not self.stop.is_set():
             delay = float(cast(str, self.r.hget(keys.faults(), key)) or 0)
-            left = delay - (time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            left = delay - elapsed
             if left <= 0:
                 break
+            delayed = True
+            if on_progress is not None:
+                on_progress(delay_progress(elapsed, delay))
             self.stop.wait(min(left, POLL_S))
         if self.stop.is_set():
             raise InjectedLoadFailure(f"load of {self.model} stopped by shutdown")
@@ -204,7 +223,12 @@ class FaultyRuntime:
             keys.faults(), "fail_next_load"
         ):
             raise InjectedLoadFailure(f"injected load failure for {self.model}")
-        self.inner.load(spec, device)
+        if delayed and on_progress is not None:
+            # The real load is the second half of a delayed one (progress never goes back).
+            report = on_progress
+            self.inner.load(spec, device, lambda f: report(DELAY_SHARE + (1 - DELAY_SHARE) * f))
+        else:
+            self.inner.load(spec, device, on_progress)
 
     def _hold(self, on_step: OnStep | None) -> None:
         # Each wait is a step: a held model is busy but alive (a long prompt), and a cancel or

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import redis
+from opentelemetry import trace
 
-from residency import keys, ledger, metrics, procs, registry, vision, work
+from residency import keys, ledger, metrics, procs, registry, tracing, vision, work
 from residency.box import Box, ConfigStore, connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -30,12 +31,13 @@ from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
 from residency.settings import CACHE_DIR_ENV, CacheSettings, ModelSpec, WorkerSettings
 from residency.states import ModelState
-from workers import chat_shape, memory, reasoning
+from workers import chat_shape, memory, reasoning, request_spans
 from workers.completion import REPORT, CacheUse, OnUsage
 from workers.engine import EngineClosed, EngineDied
 from workers.faults import FaultyRuntime, StepFaults
 from workers.gate import Gate, Reason, Stopped, Watcher
 from workers.kvstore import Stamp
+from workers.load_progress import Reporter as LoadProgress
 from workers.runtime import LlamaRuntime, Runtime
 from workers.slot_cache import MIN_SAVE_TOKENS, SlotCache, spec_digest
 from workers.slot_shares import SlotShares
@@ -96,6 +98,7 @@ class ModelProcess:
         slot_share_grace_s: float = SLOT_SHARE_GRACE_S,
         cache_root: Path | None = None,
         cache_settings: Callable[[], CacheSettings] = CacheSettings,
+        load_trace: str = "",
     ) -> None:
         self.r = r
         # Folders the model file's real path must lie in at load (None: a config-file model).
@@ -138,6 +141,12 @@ class ModelProcess:
         self._prefix_seen: dict[str, int] = {}
         self._cache_lock = threading.Lock()
         self.saved_at_drain = False  # its slots were saved when it was told to unload
+        # Traces: the load's parent (the agent's span, from the command), then the load's own
+        # span and when it was committed, linked from every request queued before that.
+        self.tracing = tracing.setup("model")
+        self.load_trace = load_trace
+        self.load_span: trace.SpanContext | None = None
+        self.ready_at = 0.0
 
     def _event(self, kind: EventType, **data: Any) -> dict[str, Any]:
         return Event(kind, self.model, {"token": self.token, **data}).to_dict()
@@ -151,6 +160,24 @@ class ModelProcess:
     # -- load -------------------------------------------------------------------------------
 
     def load(self) -> bool:
+        if not self.tracing.on:
+            return self._load()
+        span = self.tracing.start(
+            "load",
+            parent=self.load_trace,
+            attributes={"residency.model": self.model, "residency.device": self.device},
+        )
+        try:
+            ok = self._load()
+            span.set_attribute("residency.parallel", self.parallel)
+            if not ok:
+                span.set_status(trace.StatusCode.ERROR, "not committed")
+            self.load_span = span.get_span_context()
+            return ok
+        finally:
+            span.end()
+
+    def _load(self) -> bool:
         t0 = time.monotonic()
         try:
             if self.model_dirs is not None and self.spec.path is not None:
@@ -159,7 +186,12 @@ class ModelProcess:
                 registry.check_path(self.spec.path, self.model_dirs)
                 if self.spec.mmproj is not None:
                     registry.check_path(self.spec.mmproj, self.model_dirs)
-            self.runtime.load(self.spec, self.device)
+            progress = LoadProgress(self.r, self.model, self.token)
+            progress.start()
+            try:
+                self.runtime.load(self.spec, self.device, progress.note)
+            finally:
+                progress.stop()
             self.parallel = self.runtime.parallel
         except Exception as e:
             if self.stop.is_set():
@@ -239,6 +271,7 @@ class ModelProcess:
             )
         self.retrying("count the load", pipe.execute)
         self.retrying("publish the slot cache", self.publish_cache)
+        self.ready_at = now
         log.info("%s ready on %s in %.3fs", self.model, self.device, seconds)
         return True
 
@@ -587,6 +620,7 @@ class ModelProcess:
         # A stream stopped at shutdown goes on (its loop answers shutting_down once it has
         # output); a non-stream one is left on the processing list for the agent to requeue.
         gate = Gate(req.id, req.deadline, None if req.stream else self.stop)
+        timed = Timings(req.submitted) if self.tracing.on else None
         try:
             if self.r.exists(keys.cancel(req.id)):
                 pass  # its client went away while it was queued
@@ -596,7 +630,7 @@ class ModelProcess:
                 self.watcher.add(gate)
                 started = time.monotonic()
                 try:
-                    last = self.generate(req, gate, tail, usage)
+                    last = self.generate(req, gate, tail, usage, timed)
                 finally:
                     self.watcher.remove(gate)
                 served = time.monotonic() - started
@@ -658,6 +692,19 @@ class ModelProcess:
                 usage=(usage[0], usage[1]) if usage else None,
             ),
         )
+        if timed is not None:
+            request_spans.record(
+                self.tracing,
+                req,
+                timed,
+                usage,
+                model=self.model,
+                slots=self.parallel,
+                end=time.time(),
+                load=self.load_span,
+                ready_at=self.ready_at,
+                failed=last is None or last[0] == ReplyType.ERROR,
+            )
 
     def _served(self, seconds: float) -> float:
         """Fold one request's time in its slot into the model's moving average (web reads it
@@ -677,6 +724,7 @@ class ModelProcess:
         gate: Gate | None = None,
         tail: list[dict[str, Any]] | None = None,
         usage: list[int] | None = None,
+        timed: Timings | None = None,
     ) -> tuple[str, dict[str, Any]] | None:
         """Run the request; returns its last reply message (None when its client cancelled).
         ``gate.step`` runs on every generated token and raises ``Stopped`` to end it. A
@@ -704,7 +752,8 @@ class ModelProcess:
         if req.kind is Kind.TOKENIZE:
             return ReplyType.DONE, self.runtime.count_tokens(dict(req.params))
         call = self.runtime.chat if req.kind is Kind.CHAT else self.runtime.completion
-        timed = Timings(req.submitted)
+        if timed is None:
+            timed = Timings(req.submitted)
         step = timed.on_step(gate.step if gate is not None else None)
         # Ours, not llama.cpp's: the usage chunk is written here, from what the engine counted.
         params = dict(req.params)
@@ -1037,6 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
         slot_share_grace_s=float(cmd.get("slot_share_grace_s", SLOT_SHARE_GRACE_S)),
         cache_root=Path(os.environ[CACHE_DIR_ENV]) if os.environ.get(CACHE_DIR_ENV) else None,
         cache_settings=_live_cache_settings(r),
+        load_trace=str(cmd.get("trace", "")),
     )
     if not proc.load():
         return 1

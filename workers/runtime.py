@@ -40,6 +40,7 @@ from workers import (
 from workers.completion import CacheUse, OnUsage, Pieces
 from workers.decode_threads import Chooser
 from workers.engine import Backend, Engine, GrammarBudgetExceeded, Media, Sampling, SlotImage
+from workers.load_progress import OnLoadProgress, with_progress
 from workers.projector import Image, ImageError, Projector
 from workers.slot_cache import SlotCache
 
@@ -75,7 +76,10 @@ class Runtime(Protocol):
         """Requests it serves at once (known after load); the model process runs that many."""
         ...
 
-    def load(self, spec: ModelSpec, device: str) -> None: ...
+    def load(self, spec: ModelSpec, device: str, on_progress: OnLoadProgress | None = None) -> None:
+        """Load the model; ``on_progress`` is told the fraction done as it goes (in the
+        loading thread: it must only note it)."""
+        ...
 
     def chat(
         self,
@@ -750,7 +754,7 @@ class LlamaRuntime:
     def parallel(self) -> int:
         return self._parallel
 
-    def load(self, spec: ModelSpec, device: str) -> None:
+    def load(self, spec: ModelSpec, device: str, on_progress: OnLoadProgress | None = None) -> None:
         if spec.path is None:
             raise ValueError("a remote model is never loaded")
         # Embedding and rerank models pool each sequence into one output: no engine, no
@@ -773,7 +777,8 @@ class LlamaRuntime:
             # Rank pooling attaches the reranker's classification head: one score per
             # sequence (what llama.cpp's server does with --reranking).
             kind["pooling_type"] = llama_cpp.LLAMA_POOLING_TYPE_RANK
-        self._llm = (llama_cpp.Llama if embedding else _batched_llama())(
+        model_class = llama_cpp.Llama if embedding else _batched_llama()
+        self._llm = with_progress(model_class, on_progress)(
             model_path=spec.path,
             # A CPU device never offloads, whatever the spec asks for a GPU host.
             n_gpu_layers=0 if devices.is_cpu(device) else spec.n_gpu_layers,

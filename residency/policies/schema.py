@@ -107,6 +107,9 @@ class Policy(_Frozen):
     rules: list[Rule] = []
     router: Router | None = None
     classifiers: dict[str, Classifier] = {}
+    # Show the chosen candidate's load as reasoning (``[models.X] show_loading``); None: as
+    # the candidate says.
+    show_loading: bool | None = None
 
     @model_validator(mode="after")
     def _values(self, info: ValidationInfo) -> Policy:

@@ -122,6 +122,8 @@ def test_errors_reference_one_envelope_per_api() -> None:
                 schema = resp["content"]["application/json"]["schema"]
                 if path.startswith("/v1/messages"):
                     assert schema == {"$ref": "#/components/schemas/AnthropicError"}
+                elif path.startswith("/api/"):
+                    assert schema == {"$ref": "#/components/schemas/OllamaError"}
                 elif path not in ("/readyz", "/health"):
                     assert schema == {"$ref": "#/components/schemas/Error"}, (path, status)
 

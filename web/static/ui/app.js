@@ -163,6 +163,20 @@
     for (const w of h.workers || []) memory[w.host] = w.memory_used || {};
     $("models").tBodies[0].replaceChildren(...h.models.map((m) => modelRow(m, memory)));
     renderLimits(h);
+    renderPulls(h.pulls || []);
+  }
+
+  function renderPulls(pulls) {
+    $("pulls").tBodies[0].replaceChildren(...pulls.map((p) => {
+      const done = p.bytes_done || 0;
+      const progress = p.bytes_total
+        ? el("progress", { max: String(p.bytes_total), value: String(done),
+          title: `${bytes(done)} of ${bytes(p.bytes_total)}` })
+        : bytes(done);
+      const state = p.error && p.state !== "done" ? `${p.state} (${p.error})` : p.state;
+      return el("tr", {}, el("td", {}, p.source), el("td", {}, p.host || "-"),
+        el("td", {}, p.name || "-"), el("td", {}, state), el("td", {}, progress));
+    }));
   }
 
   function modelRow(m, memory) {
