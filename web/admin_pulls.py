@@ -66,10 +66,10 @@ def _folder(given: Any) -> Path:
     return Path(given).resolve()
 
 
-def _name_taken(name: str) -> ApiError:
+def _name_taken(name: str, what: str = "model or policy") -> ApiError:
     return ApiError(
         409,
-        f"'{name}' is already the name of a model or policy: pick another with 'name'",
+        f"'{name}' is already the name of a {what}: pick another with 'name'",
         type="conflict_error",
         param="name",
         code="name_taken",
@@ -78,7 +78,6 @@ def _name_taken(name: str) -> ApiError:
 
 @bp.post("/pulls")
 def create_pull() -> Any:
-    st = state()
     body = read_json()
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
@@ -86,33 +85,52 @@ def create_pull() -> Any:
     mmproj = body.get("mmproj", False)
     if not isinstance(mmproj, bool):
         raise errors.bad_request("'mmproj' must be a boolean", "mmproj")
-    name = body.get("name")
+    try:
+        record = start_pull(
+            body.get("source"), body.get("name"), body.get("host"), body.get("dir"), mmproj
+        )
+    except SourceError as e:
+        return error_response(
+            errors.bad_request(str(e), "source", "invalid_source"), {"choices": e.choices}
+        )
+    resp = jsonify(_pull(record["id"]))
+    resp.status_code = 202
+    return resp
+
+
+def start_pull(
+    source: Any, name: Any, host: Any, folder: Any, mmproj: bool, via: str = "admin"
+) -> dict[str, Any]:
+    """Resolve ``source``, pick the host and queue the pull there: its record (raises the
+    client's error, or ``SourceError`` for a source that names no single file). The admin API's
+    and the Ollama API's ``/api/pull`` (``via``, in the audit log) both start pulls here."""
+    st = state()
     if name is not None:
         try:
             check_model_name(name)
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e), "name", "invalid_model_name") from None
-    host = _host(body.get("host"))
-    folder = _folder(body.get("dir"))
+    on = _host(host)
+    where = _folder(folder)
     try:
-        src = parse_source(body.get("source"))  # type: ignore[arg-type]
-        resolved = resolve(src, mmproj)
-    except SourceError as e:
-        return error_response(
-            errors.bad_request(str(e), "source", "invalid_source"), {"choices": e.choices}
-        )
+        resolved = resolve(parse_source(source), mmproj)
     except HubUnreachable as e:
         raise ApiError(502, str(e), type="server_error", code="hub_unreachable") from None
     name = name or default_model_name(resolved["file"])
     if registry.get(st.r, name) is not None or st.r.hexists(keys.policies(), name):
         raise _name_taken(name)
+    if any(
+        p["name"] == name and p["state"] not in {s.value for s in FINISHED}
+        for p in pull_store.listing(st.r)
+    ):
+        raise _name_taken(name, "pull under way")
     record = {
         **resolved,
         "id": pull_store.new_id(),
-        "source": body["source"],
-        "host": host,
+        "source": source,
+        "host": on,
         "name": name,
-        "dir": str(folder),
+        "dir": str(where),
         "actor": admin_api._actor(),
         "bytes_total": resolved.get("size"),
     }
@@ -122,17 +140,20 @@ def create_pull() -> Any:
     if not pull_store.enqueue(st.r, record, limit):
         raise ApiError(
             429,
-            f"host {host} already holds {limit} pulls (pulls.max_queued): wait for one to finish",
+            f"host {on} already holds {limit} pulls (pulls.max_queued): wait for one to finish",
             type="rate_limit_error",
             code="pull_queue_full",
             retry_after=5,
         )
     pipe = st.r.pipeline(transaction=False)
-    audit(pipe, admin_api._actor(), "pull.create", {"id": record["id"], "source": body["source"]})
+    audit(
+        pipe,
+        admin_api._actor(),
+        "pull.create",
+        {"id": record["id"], "source": source, "via": via},
+    )
     pipe.execute()
-    resp = jsonify(_pull(record["id"]))
-    resp.status_code = 202
-    return resp
+    return record
 
 
 def _pull(pull_id: str) -> dict[str, Any]:

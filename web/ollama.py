@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -562,3 +563,46 @@ def line(obj: Mapping[str, Any]) -> str:
 def on_path(path: str) -> bool:
     """Whether ``path`` is Ollama's API (its errors are ``{"error": "..."}``)."""
     return path.startswith("/api/")
+
+
+# -- pulls -----------------------------------------------------------------------------------
+
+_HF_NAME = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([^/\s:]+/[^/\s:]+)(?::(\S+))?$")
+
+
+def pull_source(model: Any) -> str:
+    """The box's pull source for an Ollama model name: ``hf.co/ORG/REPO[:QUANT]`` (Ollama's
+    way to name a Hugging Face GGUF repo) as ``hf:ORG/REPO[:QUANT]``, a GGUF URL as it is.
+    Ollama's library names (``llama3.2:1b``) come from its own registry, not served here."""
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must be a model to pull", param="model")
+    m = _HF_NAME.match(model)
+    if m is not None:
+        return f"hf:{m.group(1)}" + (f":{m.group(2)}" if m.group(2) else "")
+    if model.startswith(("http://", "https://")) and model.lower().split("?")[0].endswith(".gguf"):
+        return model
+    raise ApiError(
+        400,
+        f"'{model}' is a name of Ollama's library, which this box does not pull from: pull a "
+        "Hugging Face GGUF repo as hf.co/ORG/REPO[:QUANT], or a .gguf URL",
+        param="model",
+        code="invalid_source",
+    )
+
+
+def pull_status(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A pull's record (``residency.pull_store.public``) as Ollama's status line."""
+    state = rec.get("state")
+    if state == "failed" or state == "cancelled":
+        return {"error": str(rec.get("error") or f"the pull was {state}")}
+    if state == "done":
+        return {"status": "success"}
+    if state == "verifying":
+        return {"status": "verifying sha256 digest"}
+    if state == "downloading":
+        line: dict[str, Any] = {"status": f"pulling {rec.get('file') or rec.get('name')}"}
+        if rec.get("bytes_total"):
+            line["total"] = rec["bytes_total"]
+        line["completed"] = rec.get("bytes_done") or 0
+        return line
+    return {"status": "waiting for the host's earlier pulls"}

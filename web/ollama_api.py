@@ -12,24 +12,26 @@ as ``POST /admin/models/{name}/unload``, which lets requests already taken finis
 key's ``keep_alive`` is accepted and ignored, named in ``x-residency-ignored``, as is any
 other value: residency's own rules (``ttl_s``, eviction for demand) decide what stays.
 
-``/api/pull`` is 501: an admin pulls models (``residency pull``, ``POST /admin/pulls``).
+``/api/pull`` starts one of the box's own pulls (``POST /admin/pulls``), for the admin token
+only, and streams its progress.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from residency import errors, keys, policy_store
+from residency import errors, keys, policy_store, pull_store
 from residency.box import audit
 from residency.errors import ApiError
 from residency.messages import Event, EventType, Kind
+from residency.pulls import FINISHED, SourceError
 from residency.registry import all_entries
-from web import auth, ollama, ollama_models, pipeline, stream, validation
+from web import admin_pulls, auth, ollama, ollama_models, pipeline, stream, validation
 from web.body import read_json
 from web.load_progress import Loading
 from web.state import state
@@ -38,6 +40,8 @@ bp = Blueprint("ollama", __name__, url_prefix="/api")
 bp.after_request(pipeline.count_request)
 
 NDJSON = "application/x-ndjson"
+#: How often a pull's progress is read for its client's stream.
+PULL_POLL_S = 0.25
 CHAT_PATH, COMPLETION_PATH = "/chat/completions", "/completions"
 
 
@@ -292,9 +296,62 @@ def version() -> Any:
 
 @bp.post("/pull")
 def pull() -> Any:
-    raise ApiError(
-        501,
-        "pulling models through the Ollama API is not served by this box: an admin pulls them "
-        "(`residency pull SOURCE`, or POST /admin/pulls with the admin token)",
-        code="not_implemented",
+    """Ollama's pull, onto the box's own pulls (``web.admin_pulls``): the admin token only (a
+    pull writes a host's disk and registers a model every key may then be scoped to). The model
+    is a Hugging Face GGUF repo as Ollama names one (``hf.co/ORG/REPO[:QUANT]``) or a GGUF URL;
+    Ollama's own library names are not served here. Progress streams as Ollama's status lines
+    (``total``/``completed`` bytes) unless ``stream`` is false, and the answer waits for the end."""
+    if auth.principal().kind != "admin":
+        raise ApiError(
+            403,
+            "pulling a model writes to a host's disk and registers it: only the admin token may",
+            type="permission_error",
+            code="admin_only",
+        )
+    body = read_json()
+    model = body.get("model", body.get("name"))
+    source = ollama.pull_source(model)
+    pipeline.ignore([k for k in ("insecure", "username", "password") if k in body])
+    try:
+        record = admin_pulls.start_pull(source, None, None, None, False, via="ollama")
+    except SourceError as e:
+        raise ApiError(400, str(e), param="model", code="invalid_source") from None
+    r = state().r
+    lines = _pull_lines(r, record["id"])
+    if body.get("stream", True) is False:
+        last: dict[str, Any] = {}
+        for line in lines:
+            last = line
+        if "error" in last:
+            raise ApiError(500, str(last["error"]), type="server_error", code="pull_failed")
+        return jsonify(last)
+    return Response(
+        (json.dumps(line) + "\n" for line in lines),
+        mimetype=NDJSON,
+        headers={"Cache-Control": "no-cache"},
     )
+
+
+def _pull_lines(r: Any, pull_id: str) -> Iterator[dict[str, Any]]:
+    """A pull's progress as Ollama's status lines, until it ends (read from its record)."""
+    yield {"status": "pulling manifest"}
+    sent: tuple[Any, ...] = ()
+    whole = False  # a line with all the bytes was sent
+    while True:
+        raw = pull_store.get(r, pull_id)
+        rec = pull_store.public(raw) if raw else {"state": "failed", "error": "the pull is gone"}
+        line = ollama.pull_status(rec)
+        if rec["state"] in ("verifying", "done") and not whole and rec.get("bytes_total"):
+            # The download may end between two reads: its last bytes are shown all the same,
+            # as Ollama's stream shows them, before the check and the success.
+            whole = True
+            total = rec["bytes_total"]
+            yield {"status": f"pulling {rec.get('file')}", "total": total, "completed": total}
+        key = tuple(sorted(line.items()))
+        if key != sent:
+            sent = key
+            whole = whole or bool(line.get("total") and line.get("completed") == line["total"])
+            yield line
+        if rec["state"] in {s.value for s in FINISHED}:
+            return
+        time.sleep(PULL_POLL_S)

@@ -982,7 +982,10 @@ def _ollama_paths() -> dict[str, Schema]:
             errors=(400, 401, 403, 404, 503),
         ),
         "/api/pull": post(
-            "Pull a model (Ollama): not served", body("model", required=()), errors=(401, 501)
+            "Pull a model (Ollama; the admin token only): hf.co/ORG/REPO[:QUANT] or a .gguf "
+            "URL, onto the box's pulls; NDJSON progress unless stream is false",
+            body("model", "name", "stream", "insecure", required=()),
+            errors=(400, 401, 403, 409, 429, 500, 503),
         ),
         "/api/tags": get("Models and policies this key may use (Ollama)"),
         "/api/ps": get("Resident models this key may use (Ollama)"),

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import ollama
 import pytest
 import requests
 
@@ -278,7 +279,10 @@ def test_a_cancel_stops_the_download_and_removes_the_partial_file(
         )
         parts = _leftovers(pool)
         assert parts == [".tiny-Q8_0.gguf.part"]
-        # The host's queue holds one pull (pulls.max_queued = 1): another is refused.
+        # A second pull to the same name is refused while this one runs (409), not after its
+        # download; the host's queue holds one pull (pulls.max_queued = 1): another is refused.
+        same = _pull(port, source=f"hf:{REPO}", name="stopped")
+        assert same.status_code == 409 and "pull under way" in same.json()["error"]["message"]
         full = _pull(port, source=f"hf:{REPO}", name="second")
         assert full.status_code == 429 and full.json()["error"]["code"] == "pull_queue_full"
         stop = requests.delete(
@@ -337,3 +341,27 @@ def test_the_cli_pulls_with_a_progress_bar(
         assert "100%" in res.stderr and "done" in res.stderr
         assert json.loads(res.stdout)["model"] == "viacli"
         assert pool.r.hexists(keys.registry(), "viacli")
+
+
+def test_ollamas_pull_streams_a_pull_for_the_admin_only(
+    start_pool: Callable[..., Pool], hub: FakeHub
+) -> None:
+    pool = start_pool()
+    with http_server(pool) as port:
+        base = f"http://127.0.0.1:{port}"
+        admin = ollama.Client(host=base, headers=ADMIN)
+        lines = list(admin.pull(f"hf.co/{REPO}:Q8_0", stream=True))
+        statuses = [line.status for line in lines]
+        assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+        size = len(hub.files["tiny-Q8_0.gguf"])
+        done = [line for line in lines if line.completed is not None]
+        assert done and done[-1].completed == done[-1].total == size
+        assert [m.model for m in admin.list().models if m.model == "tiny-Q8_0"] == ["tiny-Q8_0"]
+        # Its library's names are not pulled from; a user (no admin token) may not pull.
+        with pytest.raises(ollama.ResponseError) as e:
+            admin.pull("llama3.2:1b", stream=False)
+        assert e.value.status_code == 400 and "hf.co/" in e.value.error
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=base).pull(f"hf.co/{REPO}:Q8_0", stream=False)
+        assert e.value.status_code == 403
+        assert _leftovers(pool) == ["tiny-Q8_0.gguf"]
