@@ -262,7 +262,9 @@ class Local:
 def local(start_pool: Callable[..., Pool], models_dir: Path) -> Iterator[Local]:
     """``r``: a tiny model whose template renders ``<think>`` blocks (its reasoning markers,
     read from the template: ``reasoning = "auto"``)."""
-    path = models_dir / "tiny-think.gguf"
+    # A file of its own: the session's models dir is shared, and other tests' thinking models
+    # (tiny-think.gguf) have templates that do not render an earlier turn's reasoning.
+    path = models_dir / "tiny-think-history.gguf"
     if not path.exists():
         write_tiny_model(path, seed=9, chat_template=THINK_TEMPLATE)
     models = tiny_models(models_dir)
