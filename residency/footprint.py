@@ -40,8 +40,10 @@ MIB = 1 << 20
 #: Bytes per element of the KV cache (llama.cpp's default type_k/type_v: f16).
 KV_BYTES = 2
 #: Resident set of a model process with llama.cpp imported and initialized and no model (the
-#: agent's standby process), on a CPU device.
-CPU_PROCESS_BYTES = 68 * MIB
+#: agent's standby process), on a CPU device: 71-79 MiB measured (more right after an install,
+#: while the libraries' pages are all in the page cache). It grew with the answer readers, the
+#: projector's and tracing's modules, and redis importing OpenTelemetry's SDK once installed.
+CPU_PROCESS_BYTES = 76 * MIB
 #: What a CPU load makes resident besides weights and KV cache: a fixed part, plus this much per
 #: vocabulary token (llama.cpp's token tables, llama-cpp-python's copies), plus the output
 #: buffer (one row of logits per sequence).
