@@ -24,6 +24,7 @@ each one closes, like Hermes's.
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -109,7 +110,7 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-class _HeldCalls:
+class _HeldCalls(abc.ABC):
     """Content until the format's marker (held while a tail may still become it); from the
     marker on, the rest of the answer is held and decided at its end (``_calls``)."""
 
@@ -139,8 +140,9 @@ class _HeldCalls:
         self._buf = self._buf[len(ready) :]
         return [("content", ready)] if ready else []
 
+    @abc.abstractmethod
     def _calls(self, rest: str) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """The calls ``rest`` (the text from the marker on) holds; None: it is not calls."""
 
     def finish(self) -> list[Piece]:
         rest, self._buf = self._buf, ""
