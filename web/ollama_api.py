@@ -42,6 +42,7 @@ bp.after_request(pipeline.count_request)
 NDJSON = "application/x-ndjson"
 #: How often a pull's progress is read for its client's stream.
 PULL_POLL_S = 0.25
+_FINISHED = frozenset(s.value for s in FINISHED)
 CHAT_PATH, COMPLETION_PATH = "/chat/completions", "/completions"
 
 
@@ -317,7 +318,8 @@ def pull() -> Any:
     except SourceError as e:
         raise ApiError(400, str(e), param="model", code="invalid_source") from None
     r = state().r
-    lines = _pull_lines(r, record["id"])
+    wait_s = state().refresh().settings.server.request_timeout_s
+    lines = _pull_lines(r, record["id"], time.monotonic() + wait_s)
     if body.get("stream", True) is False:
         last: dict[str, Any] = {}
         for line in lines:
@@ -332,8 +334,10 @@ def pull() -> Any:
     )
 
 
-def _pull_lines(r: Any, pull_id: str) -> Iterator[dict[str, Any]]:
-    """A pull's progress as Ollama's status lines, until it ends (read from its record)."""
+def _pull_lines(r: Any, pull_id: str, deadline: float) -> Iterator[dict[str, Any]]:
+    """A pull's progress as Ollama's status lines, until it ends (read from its record), or
+    until ``deadline`` (``server.request_timeout_s``: a pull on a host that went away never
+    ends, and its client must not wait for it forever); the pull itself goes on."""
     yield {"status": "pulling manifest"}
     sent: tuple[Any, ...] = ()
     whole = False  # a line with all the bytes was sent
@@ -352,6 +356,11 @@ def _pull_lines(r: Any, pull_id: str) -> Iterator[dict[str, Any]]:
             sent = key
             whole = whole or bool(line.get("total") and line.get("completed") == line["total"])
             yield line
-        if rec["state"] in {s.value for s in FINISHED}:
+        if rec["state"] in _FINISHED:
+            return
+        if time.monotonic() >= deadline:
+            yield {
+                "error": f"the pull goes on past this request's wait: see /admin/pulls/{pull_id}"
+            }
             return
         time.sleep(PULL_POLL_S)
