@@ -1,4 +1,4 @@
-"""Carry out the decisions of ``coordinator.decide`` against Redis.
+"""Carry out the decisions of ``residency.pool.decide`` against Redis.
 
 Each effect is one Lua script (state change and the command it implies commit together),
 fenced by the leader lease token; logging and metrics follow the commit. Every other write of
@@ -20,7 +20,10 @@ from pathlib import Path
 import redis
 
 from coordinator import failures
-from coordinator.decide import (
+from residency import errors, keys, metrics, registry, tracing, work
+from residency.lua import Fenced, NotLeader, Scripts
+from residency.messages import Request
+from residency.pool.decide import (
     Action,
     Backoff,
     Blocked,
@@ -33,9 +36,6 @@ from coordinator.decide import (
     Wait,
     Yield,
 )
-from residency import errors, keys, metrics, registry, tracing, work
-from residency.lua import Fenced, NotLeader, Scripts
-from residency.messages import Request
 from residency.settings import Settings
 from residency.states import ModelState
 

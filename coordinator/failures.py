@@ -6,7 +6,7 @@ and a request that keeps crashing it is refused by its own attempt count
 (``residency.work.MAX_CRASHES``); counting those deaths put healthy models in backoff. A model
 with
 ``keys.LOAD_FAILURE_LIMIT`` failures within ``keys.LOAD_FAILURE_WINDOW_S`` is in backoff: the
-pure decision (``coordinator.decide.backoff_until``) answers its requests at once with the last
+pure decision (``residency.pool.decide.backoff_until``) answers its requests at once with the last
 cause instead of loading it again, until the window frees a slot or an admin loads it
 explicitly (which deletes the window)."""
 

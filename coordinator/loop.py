@@ -26,15 +26,16 @@ from typing import cast
 
 import redis
 
-from coordinator import failures, prune, retry, snapshot
-from coordinator.autosize import CONFIG_VERSION, Autosize
-from coordinator.decide import Action, Blocked, Snapshot, decide, forgettable, waits_for_idle
+from coordinator import failures, prune, retry
 from coordinator.effects import Effects, clear_stale_explicit
 from residency import keys, metrics, policy_store, registry
 from residency.box import Box, ConfigStore
 from residency.loops import Waker, blmove, run_until_stopped
 from residency.lua import Fenced, NotLeader, Scripts
 from residency.messages import Event, EventType
+from residency.pool import snapshot
+from residency.pool.autosize import CONFIG_VERSION, Autosize
+from residency.pool.decide import Action, Blocked, Snapshot, decide, forgettable, waits_for_idle
 from residency.settings import Settings, SettingsError
 
 log = logging.getLogger("residency.coordinator")

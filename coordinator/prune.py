@@ -2,7 +2,7 @@
 keeps a bounded keyspace — a host that is gone (its record expired) once its models are reaped
 and it has been gone ``worker.forget_after_s``, and a model deleted from the registry once it
 holds no slot and no work. Which ones is decided from the pass's snapshot
-(``coordinator.decide.forgettable``); each deletion is one script that re-checks its condition,
+(``residency.pool.decide.forgettable``); each deletion is one script that re-checks its condition,
 fenced by the lease.
 
 Until then a gone host stays listed in ``/health`` (``alive: false``, ``last_seen``), so an
@@ -16,8 +16,8 @@ import logging
 
 import redis
 
-from coordinator.decide import Forget
 from residency.lua import Scripts
+from residency.pool.decide import Forget
 
 log = logging.getLogger("residency.coordinator")
 

@@ -16,11 +16,11 @@ from typing import Any
 from flask import Blueprint, Response, g, jsonify, request
 from pydantic import ValidationError
 
-from coordinator import fit, snapshot
 from residency import errors, keys, policies, policy_store, registry, usage
 from residency.box import ConfigStore, NameTaken, audit, commit_change
 from residency.errors import ApiError
 from residency.messages import Event, EventType
+from residency.pool import fit, snapshot
 from residency.settings import (
     ModelSpec,
     SettingsError,

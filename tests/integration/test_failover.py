@@ -25,9 +25,7 @@ import psutil
 import pytest
 import redis
 
-from coordinator import prune, retry, snapshot
-from coordinator.autosize import Autosize
-from coordinator.decide import Evict, Forget, Load, Reap, decide
+from coordinator import prune, retry
 from coordinator.effects import clear_stale_explicit
 from coordinator.loop import STANDBY_POLL_S, Coordinator
 from residency import errors, keys, work
@@ -35,6 +33,9 @@ from residency.box import Box, connect
 from residency.lua import NotLeader
 from residency.messages import Event, EventType, Kind, Request
 from residency.policies import Floor
+from residency.pool import snapshot
+from residency.pool.autosize import Autosize
+from residency.pool.decide import Evict, Forget, Load, Reap, decide
 from tests.conftest import OPEN_AUTH_ENV, tiny_models, write_config
 
 #: The standby's takeover is measured from the leader's death to its first record; this is the

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import redis
 
-from coordinator import snapshot
 from residency import errors, keys, work
 from residency.errors import ApiError
 from residency.lua import Scripts
 from residency.messages import Kind, Request, new_request_id
+from residency.pool import snapshot
 from residency.settings import Settings
 from tests.conftest import Pool
 from tests.integration.test_bounded_work import faults

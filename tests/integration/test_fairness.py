@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import redis
 
-from coordinator import snapshot
-from coordinator.decide import Resume, Yield
 from coordinator.loop import Coordinator
 from residency import keys, metrics
 from residency.box import Box, connect
 from residency.lua import NotLeader
+from residency.pool import snapshot
+from residency.pool.decide import Resume, Yield
 from tests.conftest import Pool, tiny_models, write_config
 from tests.integration.test_bounded_work import configure, faults
 from tests.integration.test_failover import everything, take_over

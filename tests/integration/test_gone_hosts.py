@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import redis
 
-from coordinator.decide import Forget
 from coordinator.prune import forget
 from residency import keys
 from residency.lua import NotLeader
+from residency.pool.decide import Forget
 from tests.integration.hand_leader import Clock, hand_leader, live_worker, plant_model
 
 

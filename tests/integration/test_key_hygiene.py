@@ -11,9 +11,9 @@ from typing import cast
 import pytest
 import redis
 
-from coordinator.snapshot import adopt_model_keys
 from residency import keys
 from residency.lua import NotLeader
+from residency.pool.snapshot import adopt_model_keys
 from tests.integration.hand_leader import Clock, hand_leader, live_worker, plant_model, queue
 
 
@@ -67,8 +67,8 @@ def test_a_gone_host_is_kept_while_a_model_still_holds_a_slot_on_it(
     tmp_path: Path, redis_url: str, r: redis.Redis, models_dir: Path
 ) -> None:
     """Until its models are reaped, the host stays known (the reap needs to find them)."""
-    from coordinator.decide import Forget
     from coordinator.prune import forget
+    from residency.pool.decide import Forget
 
     clock = Clock()
     co = hand_leader(tmp_path, redis_url, models_dir, clock)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from coordinator import snapshot
 from coordinator.failures import record
 from residency import keys
 from residency.lua import NotLeader
 from residency.messages import Event, EventType
+from residency.pool import snapshot
 from tests.integration.hand_leader import (
     Clock,
     hand_leader,

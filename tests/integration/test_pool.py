@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
-from coordinator import snapshot
 from residency import keys
+from residency.pool import snapshot
 from tests.conftest import Pool
 from web.app import create_app
 

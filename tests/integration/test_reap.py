@@ -10,9 +10,9 @@ from pathlib import Path
 
 import redis
 
-from coordinator.decide import DRAIN_TIMEOUT_S
 from residency import keys
 from residency.messages import Event, EventType
+from residency.pool.decide import DRAIN_TIMEOUT_S
 from tests.integration.hand_leader import (
     Clock,
     hand_leader,

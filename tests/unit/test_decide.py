@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coordinator.decide import (
+from residency.pool.decide import (
     Backoff,
     Evict,
     Forget,
@@ -287,7 +287,7 @@ def test_effective_limit() -> None:
 
 
 def test_idle_events_are_wanted_only_while_something_waits_for_one() -> None:
-    from coordinator.decide import Blocked, waits_for_idle
+    from residency.pool.decide import Blocked, waits_for_idle
 
     s = snap(mv("a", S.READY, in_flight=1), mv("b", queued=1))
     assert waits_for_idle(decide(s), s)
@@ -303,7 +303,7 @@ def test_idle_events_are_wanted_only_while_something_waits_for_one() -> None:
 
 
 def test_memory_backstop_evicts_the_best_scored_idle_unpinned_model() -> None:
-    from coordinator.decide import eviction_score
+    from residency.pool.decide import eviction_score
 
     hot = {"box1": WorkerView("box1", ("cpu",), memory={"cpu": 0.95})}
     ms = [
@@ -450,7 +450,7 @@ def test_the_slot_given_up_goes_to_the_model_it_was_given_to() -> None:
 
 
 def test_idle_events_are_wanted_while_a_model_yields() -> None:
-    from coordinator.decide import waits_for_idle
+    from residency.pool.decide import waits_for_idle
 
     s = fair(busy("a"), mv("b", queued=1, demand_since=0.0))
     assert waits_for_idle(decide(s), s)

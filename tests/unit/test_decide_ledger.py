@@ -9,7 +9,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.decide import (
+from residency import ledger
+from residency.pool.decide import (
     Evict,
     Load,
     ModelView,
@@ -19,7 +20,6 @@ from coordinator.decide import (
     decide,
     room_of,
 )
-from residency import ledger
 from residency.states import ModelState as S
 from tests.unit.test_decide import mv, of, snap
 
@@ -232,7 +232,7 @@ def test_planned_loads_never_take_a_device_past_its_budget(
 
 
 def test_fit_places_a_model_that_fits_now() -> None:
-    from coordinator.fit import fit
+    from residency.pool.fit import fit
 
     a = fit(snap(res("x", 300), want("y", 300, queued=0), limit=-1, workers={"box1": dev()}), "y")
     assert (a["fits"], a["now"], a["host"], a["device"], a["evict"]) == (
@@ -246,7 +246,7 @@ def test_fit_places_a_model_that_fits_now() -> None:
 
 
 def test_fit_plays_count_and_byte_evictions_forward() -> None:
-    from coordinator.fit import fit
+    from residency.pool.fit import fit
 
     # The pool holds its count limit (2) and the device has 200 MB free: the LRU resident goes
     # for the count, and then another for the bytes.
@@ -261,7 +261,7 @@ def test_fit_plays_count_and_byte_evictions_forward() -> None:
 
 
 def test_fit_says_why_not() -> None:
-    from coordinator.fit import fit
+    from residency.pool.fit import fit
 
     busy = [res("x", 900, in_flight=1), want("y", 300, queued=0, demand_since=None)]
     a = fit(snap(*busy, limit=-1, workers={"box1": dev()}), "y")
@@ -281,7 +281,7 @@ def test_fit_says_why_not() -> None:
 
 
 def test_fit_takes_a_residents_turn_as_over() -> None:
-    from coordinator.fit import fit
+    from residency.pool.fit import fit
 
     # x was loaded a moment ago and its request just ended: the coordinator keeps its slot for
     # a moment (its turn), but the answer is what the pool can give: x would go.
@@ -305,7 +305,7 @@ def test_room_held_by_a_resident_in_its_turn_is_waited_for_not_taken() -> None:
 
 
 def test_busy_residents_holding_the_bytes_take_turns_with_a_waiter() -> None:
-    from coordinator.decide import Yield
+    from residency.pool.decide import Yield
 
     busy = res("busy", 900, in_flight=1, queued=3, demand_since=NOW - 100, loaded_at=NOW - 60)
     kw: dict[str, object] = {"limit": -1, "max_busy_s": 5.0, "workers": {"box1": dev()}}

@@ -43,7 +43,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from coordinator.decide import (
+from residency.pool.decide import (
     HELPER,
     STANDARD,
     Action,

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from coordinator.decide import Evict, Load, Wait, WorkerView, decide, expired
 from residency.policies import candidate_floor
 from residency.policies.schema import ModelInfo, Policy
+from residency.pool.decide import Evict, Load, Wait, WorkerView, decide, expired
 from residency.settings import ModelSpec
 from residency.states import ModelState as S
 from tests.unit.test_decide import mv, of, snap

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.decide import Forget, ModelView, Reap, Snapshot, WorkerView, decide, forgettable
 from residency import hosts
+from residency.pool.decide import Forget, ModelView, Reap, Snapshot, WorkerView, decide, forgettable
 from residency.settings import Settings, SettingsError
 from residency.states import ModelState as S
 

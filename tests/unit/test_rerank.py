@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.decide import Evict, Load, ModelView, Snapshot, WorkerView, decide
-from coordinator.snapshot import TYPES
 from residency.errors import ApiError
+from residency.pool.decide import Evict, Load, ModelView, Snapshot, WorkerView, decide
+from residency.pool.snapshot import TYPES
 from residency.settings import ModelSpec, SettingsError, build
 from residency.states import ModelState as S
 from web.rerank import MAX_RERANK_DOCUMENTS, answer, validate_rerank

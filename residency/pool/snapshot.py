@@ -9,8 +9,12 @@ from typing import Any, cast
 
 import redis
 
-from coordinator.autosize import Autosize, autosize
-from coordinator.decide import (
+from residency import __version__, footprint, keys, ledger, policy_store, registry, states
+from residency.auth import subject_label
+from residency.messages import Request
+from residency.policies import candidate_floor, helper_models
+from residency.pool.autosize import Autosize, autosize
+from residency.pool.decide import (
     HELPER,
     STANDARD,
     ModelView,
@@ -20,10 +24,6 @@ from coordinator.decide import (
     recent_failures,
     room_of,
 )
-from residency import __version__, footprint, keys, ledger, policy_store, registry, states
-from residency.auth import subject_label
-from residency.messages import Request
-from residency.policies import candidate_floor, helper_models
 from residency.settings import MODEL_TYPES, ModelSpec, Settings
 
 TYPES = MODEL_TYPES  # one pool, and one limit, per model type

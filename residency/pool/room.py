@@ -1,7 +1,7 @@
 """The memory ledger of one decision pass: what each device holds and may hold, in bytes and in
 models, updated as the pass plans loads and evictions.
 
-Pure: built from a snapshot's values by ``coordinator.decide``. A device without a budget (its
+Pure: built from a snapshot's values by ``residency.pool.decide``. A device without a budget (its
 total memory unknown and no ``[worker] device_budget_mb``) takes any load: only the count
 limits bound it.
 """

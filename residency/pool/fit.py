@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from coordinator.decide import (
+from residency.pool.decide import (
     Backoff,
     Evict,
     Load,

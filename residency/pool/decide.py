@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from coordinator.room import Room, Where
 from residency import footprint, keys
+from residency.pool.room import Room, Where
 from residency.states import OCCUPYING, ModelState
 
 STANDARD = "standard"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.decide import effective_limit
 from residency.policies import Floor
+from residency.pool.decide import effective_limit
 from residency.settings import Settings
 
 #: Version of the config semantics: 2 = autosize raises the LLM pool to the candidate floor.
