@@ -21,19 +21,19 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import redis
 
 from coordinator import failures, prune, retry
 from coordinator.effects import Effects, clear_stale_explicit
-from residency import keys, metrics, policy_store, registry
+from residency import keys, metrics, policy_store, registry, route_stats
 from residency.box import Box, ConfigStore
 from residency.loops import Waker, blmove, run_until_stopped
 from residency.lua import Fenced, NotLeader, Scripts
 from residency.messages import Event, EventType
-from residency.pool import snapshot
+from residency.pool import route_room, snapshot
 from residency.pool.autosize import CONFIG_VERSION, Autosize
 from residency.pool.decide import Action, Blocked, Snapshot, decide, forgettable, waits_for_idle
 from residency.settings import Settings, SettingsError
@@ -52,6 +52,9 @@ COALESCE_MAX_S = 0.5
 RENEW_EVERY_S = keys.LEADER_TTL_MS / 1000 / 3
 #: How often a standby tries to take a free lease: the takeover's margin over the TTL.
 STANDBY_POLL_S = 0.25
+#: How often the router policies' samples and choices are read into the health record's
+#: ``routing`` (up to ``keys.ROUTE_SAMPLES_MAX`` samples a policy: not on every pass).
+ROUTE_STATS_EVERY_S = 10.0
 
 
 class _SeedClient:
@@ -118,6 +121,11 @@ class Coordinator:
         self._last_publish = 0.0
         self._settings_error = ""  # the last settings problem logged
         self._deferred = True  # until a pass says otherwise (a job may survive a restart)
+        # The router policies' last statistics (route_stats), when they were read, and when
+        # each policy's prediction error was last warned about.
+        self._routing: dict[str, dict[str, Any]] = {}
+        self._routing_at: float | None = None
+        self._route_warned: dict[str, float] = {}
         self.waker: Waker | None = None
 
     # -- leadership -------------------------------------------------------------------------
@@ -387,11 +395,49 @@ class Coordinator:
             "blocked": blocked,
             "deferred": bool(blocked),
         }
-        self.publish(gen, snapshot.health_record(rd, s, enforcement), force=bool(events))
+        routing = self.routing_stats(rd.autosize.floor.per_policy)
+        self.publish(
+            gen,
+            snapshot.health_record(rd, s, enforcement, routing),
+            force=bool(events),
+            room=route_room.published(rd),
+        )
         # After publishing: the retry job reads the published record to know whether the pool
         # is still blocked.
         self.track_deferral(blocked)
         return actions
+
+    def routing_stats(self, policies: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Each policy's routing over the last hour (``route_stats``), read again every
+        ROUTE_STATS_EVERY_S or when the policies change; choice minutes older than
+        ``keys.ROUTE_SAMPLES_TTL_S`` are deleted, and a policy whose predictions are off is
+        warned about once an hour."""
+        names = sorted(policies)
+        now = self.clock()
+        due = self._routing_at is None or now - self._routing_at >= ROUTE_STATS_EVERY_S
+        if not due and names == sorted(self._routing):
+            return self._routing
+        pipe = self.r.pipeline(transaction=False)
+        for p in names:
+            pipe.lrange(keys.route_samples(p), 0, keys.ROUTE_SAMPLES_MAX - 1)
+            pipe.hgetall(keys.route_choices(p))
+        res = pipe.execute() if names else []
+        stale = self.fenced()
+        routing: dict[str, dict[str, Any]] = {}
+        for i, p in enumerate(names):
+            samples, choices = res[2 * i], res[2 * i + 1]
+            stale.hdel(
+                keys.route_choices(p),
+                *route_stats.stale_choices(choices, now, keys.ROUTE_SAMPLES_TTL_S),
+            )
+            routing[p] = st = route_stats.stats(samples, choices, now)
+            if route_stats.should_warn(st, self._route_warned.get(p), now):
+                log.warning("%s", route_stats.warning(p, st))
+                self._route_warned[p] = now
+        stale.execute()
+        self._route_warned = {p: t for p, t in self._route_warned.items() if p in routing}
+        self._routing, self._routing_at = routing, now
+        return routing
 
     def settle_failures(self, snap: Snapshot) -> bool:
         """Settle every failed load whose event has not done so yet (``failures.settle``), before
@@ -425,20 +471,31 @@ class Coordinator:
             log.info("deferred shrink done: every pool is within its limit")
         self._deferred = bool(blocked)
 
-    def publish(self, gen: int, record: dict[str, object], *, force: bool = False) -> None:
-        """Publish the pass's record under its generation. A pass with no trigger and nothing
-        new publishes at most every PUBLISH_EVERY_S (a heartbeat of the record). The record
-        names the leader that publishes it."""
+    def publish(
+        self,
+        gen: int,
+        record: dict[str, object],
+        *,
+        force: bool = False,
+        room: dict[str, Any] | None = None,
+    ) -> None:
+        """Publish the pass's record under its generation, and with it ``room`` (the health
+        hash's ``route_room``: what a load of each cold policy candidate would take). A pass
+        with no trigger and nothing new publishes at most every PUBLISH_EVERY_S (a heartbeat of
+        the record). The record names the leader that publishes it."""
         record["leader"] = self.leader_record()
         body = json.dumps(
-            {k: v for k, v in record.items() if k not in ("published_at", "enforcement")},
+            {
+                **{k: v for k, v in record.items() if k not in ("published_at", "enforcement")},
+                "route_room": room,
+            },
             sort_keys=True,
         )
         now = self.clock()
         if not force and body == self._last_record and now - self._last_publish < PUBLISH_EVERY_S:
             return
         record["generation"] = gen
-        res = self.scripts.publish_health(gen, record, lease=self.lease_token)
+        res = self.scripts.publish_health(gen, record, lease=self.lease_token, route_room=room)
         if res == "ok":
             self._last_record = body
             self._last_publish = now

@@ -58,6 +58,34 @@ def conversation(digest: str) -> str:
     return f"{PREFIX}conv:{digest}"
 
 
+def route_prefix(subject: str, digest: str) -> str:
+    """string JSON ``{candidate: [routed at (epoch s), prompt bytes]}``, TTL
+    ``CONVERSATION_TTL_S``: which candidates served this caller's conversation (its system prompt
+    and first user message, ``web.routing.conversation_digest``) and how long its prompt was, so
+    the router can expect that prefix in a slot or the slot cache of that candidate. Keyed by the
+    caller's subject: one caller's routing never depends on what another asked. Written by web
+    after each routed request; read by ``route_view.lua``."""
+    return f"{PREFIX}route-prefix:{subject}:{digest}"
+
+
+def route_samples(policy: str) -> str:
+    """list of JSON samples, newest first, at most ``ROUTE_SAMPLES_MAX``, TTL
+    ``ROUTE_SAMPLES_TTL_S`` (renewed at each write): one per routed request a local model
+    served, ``{"t", "candidate", "rule", "predicted": {"wait", "queue", "load", "room",
+    "prefill"}, "actual": {"wait", "queue", "first"}}`` (seconds). Written by the model process
+    with the request's finish (``finish.lua``); read by the coordinator into the health record's
+    per-policy prediction error."""
+    return f"{PREFIX}route-samples:{policy}"
+
+
+def route_choices(policy: str) -> str:
+    """hash ``<epoch minute>|<candidate>|<reason> -> count`` (HINCRBY), TTL ``ROUTE_SAMPLES_TTL_S``
+    (renewed at each write): the routing choices of a policy per minute, written by web with
+    each routed request; read by the coordinator into the health record (the last hour's), which
+    deletes the fields older than ``ROUTE_SAMPLES_TTL_S``."""
+    return f"{PREFIX}route-choices:{policy}"
+
+
 def autosize_state() -> str:
     """hash, no TTL, owned by the coordinator: ``risky`` ("1" while autosize lifts the LLM pool
     above max_loaded_models with auto_evict off, so the warning fires once per entry) and
@@ -85,8 +113,11 @@ def model(name: str) -> str:
 def footprint(name: str) -> str:
     """hash, no TTL: the last measured footprint of a model, kept across its unloads so that the
     next load can be counted for it: ``bytes``, ``estimate`` and ``spec`` (the
-    ``footprint.spec_digest`` it was measured under; another digest invalidates it). Written by
-    the model process after each committed load that it could measure."""
+    ``footprint.spec_digest`` it was measured under; another digest invalidates it), written
+    after each committed load that could be measured; and ``load_s`` (seconds from the
+    coordinator starting its last load, process spawn included, to its commit) with
+    ``load_spec`` (that load's digest: ``load_s`` holds for that spec only), written after every
+    committed load. Written by the model process."""
     return f"{PREFIX}footprint:{name}"
 
 
@@ -274,9 +305,12 @@ def quota_concurrent(subject: str, name: str) -> str:
 
 
 def service(name: str) -> str:
-    """string: how long a request of this model holds its slot, in seconds (a moving average
-    over recent requests), TTL ``SERVICE_TTL_S``. Written by its model process after each
-    request; read by web to compute the ``Retry-After`` of a 429 (queue depth x this / slots).
+    """string ``"<service s> [<first s> <new tokens>]"``, TTL ``SERVICE_TTL_S``: how long a
+    request of this model holds its slot, in seconds, then how long one takes from being taken
+    to its first token and how many uncached prompt tokens it had (moving averages over recent
+    requests; ``residency.route_wait.Service`` reads it). Written by its model process after
+    each request; read by web to compute the ``Retry-After`` of a 429 (queue depth x the
+    service time / slots) and the router's predicted waits.
     A key of its own, not a field of the model hash: a late write can never bring back the
     hash of a model that was forgotten."""
     return f"{PREFIX}service:{name}"
@@ -353,7 +387,9 @@ def leader_epoch() -> str:
 def health() -> str:
     """hash ``generation``, ``record`` (JSON): the one published health record, no TTL. Written
     only by the coordinator leader, through a script that refuses an older generation and a
-    caller that no longer holds the lease."""
+    caller that no longer holds the lease. Field ``route_room`` (JSON, the same pass's
+    ``residency.pool.route_room.published``): what a load of each local policy candidate would
+    take, read by the router (``route_view.lua``) without the whole record."""
     return f"{PREFIX}health"
 
 
@@ -468,6 +504,9 @@ PULL_TTL_S = 7 * 86400
 PULLS_KEPT = 200
 IDLE_WATCH_TTL_S = 30
 CONVERSATION_TTL_S = 3600
+#: Per policy: the route samples kept (the last hour's at most) and how long they outlive a write.
+ROUTE_SAMPLES_MAX = 1000
+ROUTE_SAMPLES_TTL_S = 2 * 3600
 #: The crash-loop window: a model that failed this many times within it fails fast.
 LOAD_FAILURE_WINDOW_S = 900
 LOAD_FAILURE_LIMIT = 3

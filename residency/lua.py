@@ -17,8 +17,9 @@ from typing import Any
 
 import redis
 
-from residency import keys
+from residency import keys, metrics
 from residency.auth import Quotas
+from residency.route_wait import Service
 from residency.settings import MODEL_TYPES
 from residency.states import OCCUPYING, ModelState, sources_for
 
@@ -188,11 +189,34 @@ class Scripts:
                 "principal",
                 "take_share",
                 "pop_script",
+                "route_view",
             )
         }
 
     def _run(self, name: str, keys_: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys_, args=args)
+
+    def route_view(
+        self, models: list[str], *, user: str, fair: bool, prefix_key: str
+    ) -> tuple[str | None, str | None, list[list[str]]]:
+        """(the published route room JSON, the caller's route-prefix JSON, per model its state,
+        parallel, loading_since, loaded_at, last_used, queued, in flight, service and the
+        queued requests ahead of ``user``'s next one): one read of the router's inputs."""
+        ks = [keys.health(), prefix_key]
+        for m in models:
+            ks += [
+                keys.model(m),
+                keys.queue(m),
+                keys.processing(m),
+                keys.service(m),
+                keys.queue_tags(m),
+                keys.queue_finish(m),
+            ]
+        out = self._run("route_view", ks, [user, "1" if fair else "0"])
+        room = _s(out[0]) if out[0] else None
+        prefix = _s(out[1]) if out[1] else None
+        rows = [[_s(x) for x in out[2 + 9 * i : 11 + 9 * i]] for i in range(len(models))]
+        return room, prefix, rows
 
     def principal(self, key_id: str) -> tuple[str, str | None] | None:
         """(key record, its user's record or None) of a user key, or None when there is no
@@ -389,22 +413,41 @@ class Scripts:
         request_id: str,
         last: tuple[str, dict[str, Any]] | None = None,
         chunks: list[dict[str, Any]] | None = None,
-        service_s: float | None = None,
+        service: Service | None = None,
         user: str = "",
         usage: tuple[int, int] | None = None,
         key: str = "",
+        route_sample: tuple[str, str, float] | None = None,
     ) -> bool:
         """Take a finished request off the processing list, writing its last reply message
         (``last``: reply type and data; none for a cancelled request) in the same step —
         after a chunk message of ``chunks`` (a stream's last ones), if any — and the model's
-        average ``service_s``, if given; counts the request, and its ``usage`` (prompt and
+        pace ``service``, if given; counts the request, and its ``usage`` (prompt and
         completion tokens) when known, for ``user`` on today's usage hash (UTC), and its tokens
-        on the day's quota totals of ``user`` and of ``key`` (its API key's id). Returns True
-        when this finish sent the idle event (the model went idle while the coordinator was
-        waiting for that)."""
+        on the day's quota totals of ``user`` and of ``key`` (its API key's id). A routed
+        request's ``route_sample`` (policy, sample JSON, seconds its wait was mispredicted by)
+        goes on the policy's samples and its error on ``ROUTE_WAIT_ERROR``, once, in the same
+        step. Returns True when this finish sent the idle event (the model went idle while the
+        coordinator was waiting for that)."""
         kind, data = last if last is not None else ("", {})
         compact = (",", ":")
         day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        sample_keys: list[str] = []
+        sample_args: list[Any] = ["", "", "", "", "", ""]
+        if route_sample is not None:
+            policy, sample, error_s = route_sample
+            hist, bucket, total = metrics.histogram_fields(
+                metrics.ROUTE_WAIT_ERROR, {"policy": policy}, error_s
+            )
+            sample_keys = [keys.route_samples(policy), hist]
+            sample_args = [
+                sample,
+                keys.ROUTE_SAMPLES_MAX,
+                keys.ROUTE_SAMPLES_TTL_S,
+                bucket,
+                total,
+                f"{error_s:.6g}",
+            ]
         went_idle = self._run(
             "finish",
             [
@@ -420,6 +463,7 @@ class Scripts:
                 keys.queue_finish(model),
                 keys.quota_day(day),
                 keys.usage_totals(),
+                *sample_keys,
             ],
             [
                 item,
@@ -429,7 +473,7 @@ class Scripts:
                 json.dumps(data, separators=compact),
                 keys.REPLY_TTL_S,
                 json.dumps({"chunks": chunks}, separators=compact) if chunks else "",
-                "" if service_s is None else f"{service_s:.4f}",
+                "" if service is None else service.dumps(),
                 keys.SERVICE_TTL_S,
                 keys.usage_field(user, model, ""),
                 "" if usage is None else usage[0],
@@ -438,6 +482,7 @@ class Scripts:
                 keys.quota_field("tokens", "user", user) if user else "",
                 keys.quota_field("tokens", "key", key) if key else "",
                 keys.QUOTA_DAY_TTL_S,
+                *sample_args,
             ],
         )
         return bool(went_idle)
@@ -688,16 +733,21 @@ class Scripts:
         )
         return bool(res)
 
-    def publish_health(self, generation: int, record: dict[str, Any], *, lease: str) -> str:
-        """Publish one pass's record: 'ok', 'stale' (a newer pass published) or 'not_leader'
-        (``lease`` is no longer ours)."""
-        return _s(
-            self._run(
-                "publish_health",
-                [keys.health(), keys.leader()],
-                [generation, json.dumps(record), lease],
-            )
-        )
+    def publish_health(
+        self,
+        generation: int,
+        record: dict[str, Any],
+        *,
+        lease: str,
+        route_room: dict[str, Any] | None = None,
+    ) -> str:
+        """Publish one pass's record, and with it its ``route_room`` when given (in the same
+        step): 'ok', 'stale' (a newer pass published) or 'not_leader' (``lease`` is no longer
+        ours)."""
+        args: list[Any] = [generation, json.dumps(record), lease]
+        if route_room is not None:
+            args.append(json.dumps(route_room, sort_keys=True))
+        return _s(self._run("publish_health", [keys.health(), keys.leader()], args))
 
     def publish_limits(self, generation: int, limits: dict[str, int], *, lease: str) -> str:
         """Record the effective limits of the pass ``generation`` if they changed; returns the

@@ -61,6 +61,11 @@ class Request:
     # The W3C ``traceparent`` of web's submit span when tracing is on ("" when off, and in
     # older JSON): the model process's spans for it join the request's trace.
     trace: str = ""
+    # Set by web for a request a router policy routed: ``{"policy", "rule", "predicted":
+    # {"wait", "queue", "load", "room", "prefill"}}`` (seconds; no ``predicted`` when nothing
+    # was predicted, e.g. for a remote). The model process records the prediction against the
+    # wait it measured (``keys.route_samples``). Older JSON has none: {}.
+    route: dict[str, Any] = field(default_factory=dict)
 
     def dumps(self) -> str:
         # ``id`` is the first field, written first: the Lua scripts read a queued request's id
@@ -84,6 +89,7 @@ class Request:
             cache_scope=str(d.get("cache_scope", "user")),
             weight=float(d.get("weight", 1.0)),
             trace=str(d.get("trace", "")),
+            route=dict(d.get("route") or {}),
         )
 
 

@@ -60,22 +60,28 @@ SLOT_WAITS_TOTAL = "residency_slot_waits_total"
 # configuration, so off by default).
 USER_REQUESTS_TOTAL = "residency_user_requests_total"
 USER_TOKENS_TOTAL = "residency_user_tokens_total"
+# How far a router policy's predicted wait was from the one measured (per routed request a local
+# model served; observed by the model process with the request's finish).
+ROUTE_WAIT_ERROR = "residency_route_wait_error_seconds"
 
 LOAD_BUCKETS: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 AGE_BUCKETS: Sequence[float] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400, 86400)
 TTFT_BUCKETS: Sequence[float] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 RESTORE_BUCKETS: Sequence[float] = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+ROUTE_ERROR_BUCKETS: Sequence[float] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 _HISTOGRAMS = {
     LOAD_SECONDS: ("model",),
     AGE_AT_EVICTION: ("model",),
     KV_RESTORE_SECONDS: ("model",),
+    ROUTE_WAIT_ERROR: ("policy",),
 }
 _BUCKETS = {
     LOAD_SECONDS: LOAD_BUCKETS,
     AGE_AT_EVICTION: AGE_BUCKETS,
     KV_RESTORE_SECONDS: RESTORE_BUCKETS,
+    ROUTE_WAIT_ERROR: ROUTE_ERROR_BUCKETS,
 }
 
 
@@ -88,13 +94,19 @@ def inc(pipe: Any, metric: str, labels: dict[str, str], by: float = 1) -> None:
     pipe.hincrbyfloat(keys.metric_counters(), f"{metric}|{_labels(labels)}", by)
 
 
+def histogram_fields(metric: str, labels: dict[str, str], value: float) -> tuple[str, str, str]:
+    """Where an observation of ``value`` is counted: (hash key, its bucket's field (HINCRBY 1),
+    the sum's field (HINCRBYFLOAT ``value``)); for a script that observes it itself."""
+    lab = _labels(labels)
+    le = next((str(b) for b in _BUCKETS[metric] if value <= b), "+Inf")
+    return keys.metric_histogram(metric), f"{lab}|{le}", f"{lab}|sum"
+
+
 def observe(pipe: Any, metric: str, labels: dict[str, str], value: float) -> None:
     """Queue a histogram observation: one HINCRBY for its bucket plus sum and count."""
-    lab = _labels(labels)
-    key = keys.metric_histogram(metric)
-    le = next((str(b) for b in _BUCKETS[metric] if value <= b), "+Inf")
-    pipe.hincrby(key, f"{lab}|{le}", 1)
-    pipe.hincrbyfloat(key, f"{lab}|sum", value)
+    key, bucket, total = histogram_fields(metric, labels, value)
+    pipe.hincrby(key, bucket, 1)
+    pipe.hincrbyfloat(key, total, value)
 
 
 class RedisCollector(Collector):
@@ -216,6 +228,8 @@ class RedisCollector(Collector):
             LOAD_SECONDS: "Seconds from load start to ready",
             AGE_AT_EVICTION: "Seconds a model was resident when evicted (low values = thrash)",
             KV_RESTORE_SECONDS: "Seconds to read, check and restore a saved slot state",
+            ROUTE_WAIT_ERROR: "Seconds between a routed request's predicted and actual wait "
+            "(to its first token), per policy",
         }
         label_names = list(_HISTOGRAMS[name])
         per: dict[str, dict[str, float]] = {}

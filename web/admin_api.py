@@ -366,13 +366,18 @@ def validate_policy() -> Any:
     if not isinstance(sample, dict):
         raise errors.bad_request("'request' must be a chat completion body", "request")
     inp = policies.RoutingInput.from_chat(sample)
-    decision = routing.decide(st, st.refresh().settings, name, policy, inp)
+    s = st.refresh().settings
+    decision = routing.decide(st, s, name, policy, inp)
+    # The choice among the listed candidates as the pool stands now (read, nothing recorded).
+    routed = routing.choose(st, s, name, policy, decision, sample, caller=auth.principal())
+    decision = routed.decision
     return jsonify(
         {
             "policy": name,
             "candidate": decision.candidate,
             "rule": decision.rule,
             "used_default": decision.used_default,
+            "listed": list(decision.listed),
             "trace": decision.trace,
         }
     )

@@ -32,6 +32,7 @@ from residency import errors, keys, metrics, tracing
 from residency.errors import ApiError
 from residency.lua import Scripts
 from residency.messages import Event, EventType, Kind, ReplyType, Request, new_request_id
+from residency.route_wait import Service
 from web import admission, load_progress, traces
 
 log = logging.getLogger(__name__)
@@ -326,6 +327,7 @@ def submit(
     weight: float = 1.0,
     fair: bool = True,
     cache_scope: str = "user",
+    route: dict[str, Any] | None = None,
 ) -> Call:
     """Queue a request and return its Call. The queue is bounded (``bound``) and the bound
     shared between users: a full queue refuses 429 with Retry-After, unless ``user`` is within
@@ -339,7 +341,8 @@ def submit(
     queued (the request would load it). ``weight``: the user's share of the model's turns and
     of its queue; ``fair``: take turns between users (``pool.fair_queues``) rather than first
     come, first served. ``cache_scope``: ``[cache] scope`` now (whose cached prompt prefixes the
-    model process may reuse for it)."""
+    model process may reuse for it). ``route``: how a router policy routed it (``Request.route``),
+    for the model process to record its predicted wait against the actual one."""
     now = time.time()
     span = traces.submit_span(model, user)
     req = Request(
@@ -355,6 +358,7 @@ def submit(
         cache_scope=cache_scope,
         weight=weight,
         trace=tracing.traceparent(span) if span is not None else "",
+        route=route or {},
     )
     try:
         return _submit(r, scripts, req, bound, may_load, fair, timeout_s, client_gone, keepalive_s)
@@ -418,7 +422,7 @@ def _queue_retry_after(r: redis.Redis, model: str, depth: int) -> int:
         pipe.hget(keys.model(model), "parallel")
         service, parallel = pipe.execute()
         return admission.queue_retry_after(
-            depth, float(service) if service else None, int(parallel or 1)
+            depth, Service.parse(service).service_s, int(parallel or 1)
         )
     except (redis.RedisError, ValueError):
         return admission.MIN_RETRY_S

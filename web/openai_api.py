@@ -222,6 +222,9 @@ def _policy_object(p: PolicyEntry, caller: Principal) -> dict[str, Any] | None:
     if not caller.may_use_policy(p.name) or not candidates:
         return None
     default = p.spec.get("default")
+    if isinstance(default, list):
+        # Equivalent defaults: the first this caller may use.
+        default = next((d for d in default if d in candidates), None)
     return {
         "id": p.name,
         "object": "model",

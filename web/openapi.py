@@ -695,7 +695,7 @@ def _admin_paths() -> dict[str, Schema]:
                     policy={"oneOf": [_STR, _OBJ]},
                     request=_OBJ,
                 ),
-                answer=_obj("policy", "candidate", "rule", "used_default", "trace"),
+                answer=_obj("policy", "candidate", "rule", "used_default", "listed", "trace"),
             )
         },
         "/admin/policies/{name}": {

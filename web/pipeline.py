@@ -102,6 +102,8 @@ class Target:
     admitted: bool = False  # admitted against its caller's quotas before it was routed
     # Show its model's load as reasoning (``[models.X] show_loading``, or its policy's).
     show_loading: bool = False
+    # A routed request's policy, rule and predicted wait (``messages.Request.route``).
+    routed: dict[str, Any] | None = None
 
 
 #: The model type each request kind needs (any other kind: "llm"), and what it is called.
@@ -140,7 +142,7 @@ def resolve(
             raise not_allowed(model)
         if v is not None:
             admit(st, view, model, kind, v, cap=policy_cap(st, policy), may_load=False)
-        decision = routing.route(
+        routed = routing.route(
             st,
             view.settings,
             policy,
@@ -149,6 +151,7 @@ def resolve(
             caller=caller,
             deadline_at=g.get("deadline_at", 0.0),
         )
+        decision = routed.decision
         _view, entry, _ = st.lookup(decision.candidate)
         if entry is None:
             raise ApiError(
@@ -166,8 +169,9 @@ def resolve(
         if v is not None and not entry.spec.remote:
             # Admitted before the candidate was known: its load-seconds quota is checked now.
             quota.admit_load(st.r, st.scripts, quota.principal(), entry.name)
-        header = routing.route_header(model, decision)
+        header = routing.route_header(model, routed)
         show = policy.spec.get("show_loading")
+        predicted = routed.prediction
         return Target(
             entry,
             view,
@@ -175,6 +179,17 @@ def resolve(
             decision.trace,
             admitted=v is not None,
             show_loading=entry.spec.show_loading if show is None else bool(show),
+            # Travels with the request: its model process records the wait it predicted beside
+            # the wait it had.
+            routed={
+                "policy": model,
+                "rule": decision.rule,
+                **(
+                    {"predicted": predicted.terms()}
+                    if predicted and predicted.wait_s is not None
+                    else {}
+                ),
+            },
         )
     if entry is None:
         raise errors.model_not_found(model)
@@ -358,6 +373,7 @@ def submit(st: State, kind: Kind, v: validation.Validated, t: Target) -> bus.Cal
         may_load=caller.may_load,
         weight=caller.weight,
         cache_scope=t.view.settings.cache.scope,
+        route=t.routed or {},
     )
     if v.stream:
         # Queued for this model (its scopes and quotas passed): it may see the model's load.

@@ -15,18 +15,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client import Counter
 
-from residency import keys, policies
+from residency import keys, policies, registry, route_view, route_wait
 from residency.auth import ANONYMOUS, Principal
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
-from residency.settings import Settings
-from web import bus
+from residency.settings import ModelSpec, Settings
+from web import bus, quota
 from web.state import State
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,24 @@ SWITCHES = Counter(
     "Conversations whose routed candidate changed since their previous turn",
     ["policy"],
 )
+CHOICES = Counter(
+    "residency_routing_choices_total",
+    "Candidates chosen among a rule's listed ones, by policy, candidate and why it won",
+    ["policy", "candidate", "reason"],
+)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A routed request: the policy's decision (its ``candidate`` the one chosen among those
+    listed) and how the choice was made (None when nothing local was listed to predict)."""
+
+    decision: policies.Decision
+    choice: route_wait.Choice | None = None
+
+    @property
+    def prediction(self) -> route_wait.Prediction | None:
+        return self.choice.chosen() if self.choice is not None else None
 
 
 def call_helper(
@@ -144,14 +164,94 @@ def conversation_digest(body: Mapping[str, Any]) -> str | None:
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
-def record(st: State, policy: str, decision: policies.Decision, body: Mapping[str, Any]) -> None:
-    DECISIONS.labels(policy, decision.rule).inc()
+def listed_specs(st: State, names: tuple[str, ...]) -> list[tuple[str, ModelSpec | None]]:
+    """Each listed candidate's spec (None when it is not registered), in one round trip."""
+    raws = st.r.hmget(keys.registry(), list(names))
+    return [
+        (n, registry.Entry.loads(n, str(raw)).spec if raw else None)
+        for n, raw in zip(names, raws, strict=True)
+    ]
+
+
+def choose(
+    st: State,
+    s: Settings,
+    name: str,
+    policy: policies.Policy,
+    decision: policies.Decision,
+    body: Mapping[str, Any],
+    *,
+    caller: Principal,
+) -> Routed:
+    """Pick among the decision's listed candidates by the policy's ``choose``, predicting each
+    local one's wait from one read of the pool (``residency.route_view``)."""
+    listed = decision.listed or (decision.candidate,)
+    specs = listed_specs(st, listed)
+    if not any(spec is not None and not spec.remote for _, spec in specs):
+        return Routed(decision)  # a remote or an unregistered candidate: nothing to predict
     digest = conversation_digest(body)
-    if digest is None:
-        return
-    previous = st.r.set(
-        keys.conversation(digest), decision.candidate, ex=keys.CONVERSATION_TTL_S, get=True
+    size = quota.prompt_bytes(body)
+    read = route_view.read(
+        st.scripts,
+        specs,
+        user=caller.user or "",
+        fair=s.pool.fair_queues,
+        prefix_key=keys.route_prefix(caller.subject, digest or "-"),
+        prompt_bytes=size,
+        now=time.time(),
+        caller=route_view.Caller(caller.may_use_model, caller.may_load),
+        slot_cache=s.cache.disk_mb > 0,
     )
+    choice = route_wait.choose(
+        policy.choose,
+        read.views,
+        route_wait.prompt_tokens(size),
+        evict_penalty_s=policy.evict_penalty_s,
+        max_wait_s=policy.max_wait_s,
+    )
+    trace = dict(decision.trace)
+    trace["candidate"] = choice.candidate
+    trace["choose"] = {
+        "mode": policy.choose,
+        "reason": choice.reason,
+        "predictions": [p.trace() for p in choice.predictions],
+    }
+    return Routed(replace(decision, candidate=choice.candidate, trace=trace), choice)
+
+
+def record(
+    st: State,
+    policy: str,
+    routed: Routed,
+    body: Mapping[str, Any],
+    *,
+    subject: str = keys.ANONYMOUS,
+) -> None:
+    """Count the decision, and remember who served this conversation: the switch counter, the
+    policy's choices, and the prefix the chosen candidate now holds for this caller. One round
+    trip."""
+    decision = routed.decision
+    DECISIONS.labels(policy, decision.rule).inc()
+    reason = routed.choice.reason if routed.choice is not None else "first"
+    CHOICES.labels(policy, decision.candidate, reason).inc()
+    now = time.time()
+    digest = conversation_digest(body)
+    pipe = st.r.pipeline(transaction=False)
+    field = f"{int(now // 60)}|{decision.candidate}|{reason}"
+    pipe.hincrby(keys.route_choices(policy), field, 1)
+    pipe.expire(keys.route_choices(policy), keys.ROUTE_SAMPLES_TTL_S)
+    if digest is not None:
+        pipe.set(
+            keys.conversation(digest), decision.candidate, ex=keys.CONVERSATION_TTL_S, get=True
+        )
+        if routed.choice is not None:
+            pipe.set(
+                keys.route_prefix(subject, digest),
+                json.dumps({decision.candidate: [now, quota.prompt_bytes(body)]}),
+                ex=keys.CONVERSATION_TTL_S,
+            )
+    res = pipe.execute()
+    previous = res[2] if digest is not None else None
     if previous is not None and previous != decision.candidate:
         SWITCHES.labels(policy).inc()
 
@@ -165,7 +265,7 @@ def route(
     *,
     caller: Principal = ANONYMOUS,
     deadline_at: float = 0.0,
-) -> policies.Decision:
+) -> Routed:
     """The candidate for a request of ``caller`` (already admitted against its quotas)."""
     try:
         policy = policies.Policy.model_validate(entry.spec)
@@ -181,9 +281,28 @@ def route(
         caller=caller,
         deadline_at=deadline_at,
     )
-    record(st, entry.name, decision, body)
-    return decision
+    routed = choose(st, s, entry.name, policy, decision, body, caller=caller)
+    record(st, entry.name, routed, body, subject=caller.subject)
+    return routed
 
 
-def route_header(policy: str, decision: policies.Decision) -> str:
-    return f"{policy}:{decision.rule}:{decision.candidate}"
+def route_header(policy: str, routed: Routed) -> str:
+    """``policy:rule:candidate``; a ``fastest`` choice among several listed candidates adds,
+    after a ``;``, why the candidate won and each one's predicted wait (seconds; ``remote`` and
+    excluded ones unpredicted)."""
+    d = routed.decision
+    head = f"{policy}:{d.rule}:{d.candidate}"
+    choice = routed.choice
+    if choice is None or choice.reason == "first" or len(choice.predictions) < 2:
+        return head  # choose = "first": the header as it always was
+    waits = " ".join(_header_wait(p) for p in choice.predictions)
+    return f"{head}; {choice.reason}; {waits}"
+
+
+def _header_wait(p: route_wait.Prediction) -> str:
+    if p.excluded:
+        return f"{p.name}=excluded({p.excluded})"
+    if p.wait_s is None:
+        return f"{p.name}=remote"
+    extra = "+evicts" if p.penalty_s else ""
+    return f"{p.name}={p.wait_s:.3f}s{extra}"

@@ -29,6 +29,7 @@ from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
 from residency.lua import Scripts
 from residency.messages import REPORT_PARAM, Event, EventType, Kind, ReplyType, Request
+from residency.route_wait import Service
 from residency.settings import CACHE_DIR_ENV, CacheSettings, ModelSpec, WorkerSettings
 from residency.states import ModelState
 from workers import chat_shape, memory, reasoning, request_spans
@@ -41,7 +42,7 @@ from workers.load_progress import Reporter as LoadProgress
 from workers.runtime import LlamaRuntime, Runtime
 from workers.slot_cache import MIN_SAVE_TOKENS, SlotCache, spec_digest
 from workers.slot_shares import SlotShares
-from workers.timings import Timings
+from workers.timings import Timings, fold_service, route_sample
 
 log = logging.getLogger("residency.model")
 T = TypeVar("T")
@@ -70,7 +71,6 @@ def flush_interval(streams: int) -> float:
     return min(FLUSH_MAX_S, FLUSH_EVERY_S * max(1.0, streams / FLUSH_STREAMS))
 
 
-SERVICE_EWMA = 0.2  # weight of the newest request in the moving average of service time
 # For a load command that carries none (written by an older coordinator).
 GRAMMAR_BUDGET_S = float(WorkerSettings.model_fields["grammar_budget_s"].default)
 SLOT_SHARE_GRACE_S = float(WorkerSettings.model_fields["slot_share_grace_s"].default)
@@ -124,7 +124,9 @@ class ModelProcess:
         self.waker: Waker | None = None  # made at load, just before the commit
         # The coordinator asked it to give its slot to a waiting model: it takes nothing new.
         self.yielding = False
-        self._service_s: float | None = None  # moving average of a request's time in its slot
+        # Moving averages of a request's time in its slot, its time to a first token and its
+        # uncached prompt tokens (keys.service).
+        self._service = Service()
         self._service_lock = threading.Lock()
         # What stopped the runtime's engine thread: the process then takes nothing more and
         # exits (procs.ENGINE_DIED_EXIT) instead of answering every request with an error.
@@ -217,11 +219,16 @@ class ModelProcess:
         # with the state: a stop unblocks it from inside, an eviction from the coordinator.
         self.waker = Waker(self.r, self.stop)
         reader = self.retrying("open the queue connection", self.waker.client_id)
-        # Who caused this load (recorded when it started): its time is charged to them.
-        cause_user, cause_key = self.retrying(
+        # Who caused this load (recorded when it started): its time is charged to them. And
+        # when the coordinator started it: what a client waiting for this load waits includes
+        # the process's spawn, which ``seconds`` does not.
+        cause_user, cause_key, since = self.retrying(
             "read who caused the load",
-            lambda: self.r.hmget(keys.model(self.model), ["load_user", "load_key"]),
+            lambda: self.r.hmget(
+                keys.model(self.model), ["load_user", "load_key", "loading_since"]
+            ),
         )
+        waited = _since(since, now, seconds)
         ok, res = self.retrying(
             "commit the load",
             lambda: self.scripts.commit_load(
@@ -268,6 +275,13 @@ class ModelProcess:
                     "estimate": estimate_bytes or "",
                     "spec": digest,
                 },
+            )
+        if digest is not None:
+            # Outlives the unload too: the router predicts the next cold load of the same spec
+            # from it (measured or not, a load's time is known).
+            pipe.hset(
+                keys.footprint(self.model),
+                mapping={"load_s": round(waited, 4), "load_spec": digest},
             )
         self.retrying("count the load", pipe.execute)
         self.retrying("publish the slot cache", self.publish_cache)
@@ -620,7 +634,8 @@ class ModelProcess:
         # A stream stopped at shutdown goes on (its loop answers shutting_down once it has
         # output); a non-stream one is left on the processing list for the agent to requeue.
         gate = Gate(req.id, req.deadline, None if req.stream else self.stop)
-        timed = Timings(req.submitted) if self.tracing.on else None
+        # Always timed: the model's pace and a routed request's wait are measured from it.
+        timed = Timings(req.submitted)
         try:
             if self.r.exists(keys.cancel(req.id)):
                 pass  # its client went away while it was queued
@@ -669,9 +684,13 @@ class ModelProcess:
             err = ApiError(500, f"generation failed: {e}", type="server_error", code="internal")
             last = (ReplyType.ERROR, err.to_reply())
         # The last reply message goes out with the removal from the processing list, in one
-        # script (see finish.lua for the race that prevents), with the stream's last chunks
-        # and the model's service time: one round trip. Retried through a Redis restart.
-        service_s = None if served is None else self._served(served)
+        # script (see finish.lua for the race that prevents), with the stream's last chunks,
+        # the model's pace and a routed request's sample: one round trip. Retried through a
+        # Redis restart.
+        service = None if served is None else self._served(req, served, timed, usage)
+        sample = None
+        if last is not None and last[0] == ReplyType.DONE and req.route:
+            sample = route_sample(req.route, self.model, timed.actual_wait(), time.time())
         # A restore, copy or wait it made, counted before its client has the answer (no round
         # trip when there is none; on a Redis outage, counted with a later request's).
         with contextlib.suppress(*REDIS_DOWN):
@@ -686,13 +705,14 @@ class ModelProcess:
                 request_id=req.id,
                 last=last,
                 chunks=tail if last is not None else None,
-                service_s=service_s,
+                service=service,
+                route_sample=sample,
                 user=req.user,
                 key=req.key,
                 usage=(usage[0], usage[1]) if usage else None,
             ),
         )
-        if timed is not None:
+        if self.tracing.on:
             request_spans.record(
                 self.tracing,
                 req,
@@ -706,13 +726,18 @@ class ModelProcess:
                 failed=last is None or last[0] == ReplyType.ERROR,
             )
 
-    def _served(self, seconds: float) -> float:
-        """Fold one request's time in its slot into the model's moving average (web reads it
-        to tell a refused client when to retry); returns the new average."""
+    def _served(self, req: Request, seconds: float, timed: Timings, usage: list[int]) -> Service:
+        """Fold one request into the model's pace (web reads it to tell a refused client when
+        to retry, the router to predict waits): its time in its slot and, a generation that
+        reached its first token, that time and its uncached prompt tokens. Returns the new
+        averages."""
+        first_s = new_tokens = None
+        if req.kind in (Kind.CHAT, Kind.COMPLETION) and timed.first is not None and usage:
+            first_s = timed.first - timed.taken
+            new_tokens = usage[0] - usage[2]
         with self._service_lock:
-            prev = self._service_s
-            self._service_s = seconds if prev is None else prev + SERVICE_EWMA * (seconds - prev)
-            return self._service_s
+            self._service = fold_service(self._service, seconds, first_s, new_tokens)
+            return self._service
 
     def _deadline_error(self, req: Request) -> tuple[str, dict[str, Any]]:
         err = deadline_exceeded(self.model, req.deadline - req.submitted)
@@ -873,6 +898,17 @@ class ModelProcess:
         if gate is not None and gate.cancelled.is_set():
             return True
         return self.scripts.flush(req_id, batch, renew=renew)
+
+
+def _since(loading_since: Any, now: float, seconds: float) -> float:
+    """Seconds of a load as a waiting client saw it: from ``loading_since`` (the coordinator's
+    start of it, a wall-clock time) to ``now``; ``seconds`` (this process's own) when that is
+    unknown or reads as less (another host's clock)."""
+    try:
+        since = float(loading_since)
+    except (TypeError, ValueError):
+        return seconds
+    return max(seconds, now - since)
 
 
 def _adder(total: list[int]) -> OnUsage:

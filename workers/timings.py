@@ -6,16 +6,27 @@ below 0), ``prompt_ms`` from taking it to its first generated token (the prompt'
 the first decode step), ``predicted_ms`` from there to its end, and the token counts
 ``prompt_n``, ``cache_n`` (prompt tokens reused from a cache) and ``predicted_n``. A client
 then sees the box's share of its wall time, and what of it was waiting.
+
+The same times feed the router's predictions (``residency.route_wait``): the model's pace
+(``fold_service``, written to ``keys.service``) and, for a routed request, its actual wait set
+against the predicted one (``route_sample``, written to ``keys.route_samples``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from residency.policies.schema import POLICY_NAME_RE
+from residency.route_wait import Service
+
 OnStep = Callable[[], None]
+
+#: Weight of the newest request in the moving averages of a model's pace.
+SERVICE_EWMA = 0.2
 
 
 @dataclass
@@ -48,6 +59,59 @@ class Timings:
             "predicted_n": completion,
             "predicted_ms": _ms(end - first),
         }
+
+    def actual_wait(self) -> dict[str, float] | None:
+        """What a router predicts, as it happened (seconds): ``queue`` from submit to being
+        taken, ``first`` from there to the first generated token, ``wait`` their sum; None
+        without a first token. Never below 0 (two hosts' clocks)."""
+        if self.first is None:
+            return None
+        queue = round(max(0.0, self.taken - self.submitted), 4)
+        first = round(max(0.0, self.first - self.taken), 4)
+        return {"wait": round(queue + first, 4), "queue": queue, "first": first}
+
+
+def _ewma(prev: float | None, value: float) -> float:
+    return value if prev is None else prev + SERVICE_EWMA * (value - prev)
+
+
+def fold_service(
+    prev: Service, served_s: float, first_s: float | None = None, new_tokens: int | None = None
+) -> Service:
+    """``prev`` with one request folded in: ``served_s`` in its slot, and (a generation that
+    reached its first token) ``first_s`` from being taken to it for ``new_tokens`` uncached
+    prompt tokens. A request without them (an embedding, a rerank, one ended before its first
+    token) leaves those two averages as they were."""
+    if first_s is None or new_tokens is None:
+        return Service(_ewma(prev.service_s, served_s), prev.first_s, prev.new_tokens)
+    return Service(
+        _ewma(prev.service_s, served_s),
+        _ewma(prev.first_s, max(0.0, first_s)),
+        _ewma(prev.new_tokens, float(max(0, new_tokens))),
+    )
+
+
+def route_sample(
+    route: dict[str, Any], model: str, actual: dict[str, float] | None, now: float
+) -> tuple[str, str, float] | None:
+    """(policy, sample JSON, seconds between the predicted and the actual wait) of a routed
+    request, or None: not routed, nothing predicted, no first token, or a policy name that is
+    not one (web checked it; a request that did not come from web names no key here)."""
+    policy, predicted = route.get("policy"), route.get("predicted")
+    if actual is None or not isinstance(predicted, dict) or not isinstance(policy, str):
+        return None
+    wait = predicted.get("wait")
+    if not POLICY_NAME_RE.match(policy) or not isinstance(wait, int | float):
+        return None
+    sample = {
+        "t": round(now, 3),
+        "candidate": model,
+        "rule": str(route.get("rule", "")),
+        "predicted": predicted,
+        "actual": actual,
+    }
+    error = round(abs(float(wait) - actual["wait"]), 4)
+    return policy, json.dumps(sample, separators=(",", ":")), error
 
 
 def _ms(seconds: float) -> float:

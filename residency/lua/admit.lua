@@ -53,7 +53,7 @@ for i = 1, subjects do
     elseif used + reserved >= tonumber(tmax) then
       -- Over only with what its requests in flight reserved: they give back what they do not
       -- use when they end, about one request's time in its slot.
-      local retry = tonumber(redis.call('GET', KEYS[3]) or '1') or 1
+      local retry = tonumber(string.match(redis.call('GET', KEYS[3]) or '1', '^%S+') or '1') or 1
       refuse(i, 'tokens_per_day', tmax, tostring(used), retry, reserved)
     end
   end
@@ -79,7 +79,7 @@ for i = 1, subjects do
     local n = redis.call('ZCARD', conc)
     if n >= tonumber(cmax) then
       -- A place frees when one of them ends: about one request's time in its slot.
-      local retry = tonumber(redis.call('GET', KEYS[3]) or '1') or 1
+      local retry = tonumber(string.match(redis.call('GET', KEYS[3]) or '1', '^%S+') or '1') or 1
       refuse(i, 'concurrent', cmax, tostring(n), retry)
     end
   end

@@ -30,8 +30,10 @@ from residency.policies.regex import (
 )
 from residency.policies.routing_input import RoutingInput
 from residency.policies.schema import (
+    CHOOSE,
     CLASSIFIER_ID_RE,
     COMBINATORS,
+    DEFAULT_EVICT_PENALTY_S,
     DEFAULT_RULE,
     LEAVES,
     MATCH_KEYS,
@@ -40,18 +42,22 @@ from residency.policies.schema import (
     ROUTER_MAX_TOKENS_LIMIT,
     ROUTER_RULE,
     RULE_ID_RE,
+    Choose,
     Classifier,
     ModelInfo,
     Policy,
     PolicyError,
     Router,
     Rule,
+    as_listed,
     parse_policy,
 )
 
 __all__ = [
+    "CHOOSE",
     "CLASSIFIER_ID_RE",
     "COMBINATORS",
+    "DEFAULT_EVICT_PENALTY_S",
     "DEFAULT_RULE",
     "LEAVES",
     "MATCH_KEYS",
@@ -63,6 +69,7 @@ __all__ = [
     "ROUTER_MAX_TOKENS_LIMIT",
     "ROUTER_RULE",
     "RULE_ID_RE",
+    "Choose",
     "Classifier",
     "Classify",
     "Decision",
@@ -73,6 +80,7 @@ __all__ = [
     "Router",
     "RoutingInput",
     "Rule",
+    "as_listed",
     "ascii_lower",
     "candidate_floor",
     "classifier_messages",

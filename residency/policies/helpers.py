@@ -18,11 +18,21 @@ def router_messages(name: str, policy: Policy, inp: RoutingInput) -> list[dict[s
     if policy.router is None:
         raise ValueError(f"policy {name!r} has no LLM router")
     names = ", ".join(json.dumps(c) for c in policy.candidates)
-    contract = (
-        "Answer with exactly one JSON object and nothing else, of the form "
-        '{"model": <name>, "rationale": <reason>}. "model" must be exactly one of these names: '
-        f'{names}. "rationale" is a short, non-empty reason for the choice.'
-    )
+    if policy.choose == "fastest":
+        # A list lets the box take whichever of equally good candidates answers soonest.
+        contract = (
+            "Answer with exactly one JSON object and nothing else, of the form "
+            '{"model": <name or list of names>, "rationale": <reason>}. "model" must be '
+            f"exactly one of these names: {names}, or, when several fit equally well, a list "
+            'of them in preference order. "rationale" is a short, non-empty reason for the '
+            "choice."
+        )
+    else:
+        contract = (
+            "Answer with exactly one JSON object and nothing else, of the form "
+            '{"model": <name>, "rationale": <reason>}. "model" must be exactly one of these '
+            f'names: {names}. "rationale" is a short, non-empty reason for the choice.'
+        )
     return [
         {"role": "system", "content": f"{policy.router.prompt.rstrip()}\n\n{contract}"},
         {"role": "user", "content": inp.text},
@@ -63,23 +73,36 @@ def _json_object(reply: str) -> dict[str, Any]:
     return obj
 
 
-def _parse_router_reply(policy: Policy, reply_text: str) -> tuple[str, str]:
+def _parse_router_reply(policy: Policy, reply_text: str) -> tuple[tuple[str, ...], str]:
+    """The candidates the reply lists (a name is a list of one) and its rationale. A list is
+    taken whatever ``choose`` says (a ``first`` policy takes its first): a helper that hedges
+    still answered."""
     obj = _json_object(reply_text)
     if set(obj) != {"model", "rationale"}:
         raise ValueError(f"expected exactly the keys model and rationale, got {sorted(obj)}")
     model, rationale = obj["model"], obj["rationale"]
-    if not isinstance(model, str) or model not in policy.candidates:
-        raise ValueError(f"model {model!r} is not one of the candidates")
+    if isinstance(model, list) and model:
+        listed = tuple(model)
+    elif isinstance(model, str):
+        listed = (model,)
+    else:
+        raise ValueError(f"model {model!r} is not a candidate name or a non-empty list of them")
+    for m in listed:
+        if not isinstance(m, str) or m not in policy.candidates:
+            raise ValueError(f"model {m!r} is not one of the candidates")
+    if len(set(listed)) != len(listed):
+        raise ValueError(f"model {model!r} lists a candidate twice")
     if not isinstance(rationale, str) or not rationale.strip():
         raise ValueError("rationale must be a non-empty string")
-    return model, rationale
+    return listed, rationale
 
 
 def router_decision(
     name: str, policy: Policy, reply_text: str | None, error: str | None = None
 ) -> Decision:
     """The decision from the routing helper's reply. Anything but an exact
-    ``{"model", "rationale"}`` object naming a candidate falls back to the default."""
+    ``{"model", "rationale"}`` object naming a candidate (or a list of distinct ones) falls
+    back to the default."""
     if policy.router is None:
         raise ValueError(f"policy {name!r} has no LLM router")
     info: dict[str, Any] = {"model": policy.router.model}
@@ -90,23 +113,25 @@ def router_decision(
     if error is None:
         assert reply_text is not None
         try:
-            cand, rationale = _parse_router_reply(policy, reply_text)
+            listed, rationale = _parse_router_reply(policy, reply_text)
         except ValueError as e:
             error = f"bad reply: {e}"
         else:
             info["rationale"] = rationale
-            trace = make_trace(name, cand, ROUTER_RULE, False, router=info)
-            return Decision(cand, ROUTER_RULE, False, trace)
+            trace = make_trace(name, listed[0], ROUTER_RULE, False, listed=listed, router=info)
+            return Decision(listed[0], ROUTER_RULE, False, trace, listed)
     info["error"] = error
+    listed = policy.default_listed
     trace = make_trace(
         name,
-        policy.default,
+        listed[0],
         DEFAULT_RULE,
         True,
+        listed=listed,
         router=info,
         errors=[{"router": policy.router.model, "error": error}],
     )
-    return Decision(policy.default, DEFAULT_RULE, True, trace)
+    return Decision(listed[0], DEFAULT_RULE, True, trace, listed)
 
 
 def classifier_messages(classifier_id: str, clf: Classifier, text: str) -> list[dict[str, str]]:

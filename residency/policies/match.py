@@ -6,7 +6,7 @@ callable, and a failing classifier makes its leaf false, never the request fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +30,16 @@ Classify = Callable[[str, str], Mapping[str, float]]  # (classifier id, text) ->
 
 @dataclass(frozen=True)
 class Decision:
-    candidate: str
+    candidate: str  # the first listed: what ``choose = "first"`` takes
     rule: str  # the matched rule id, "router", or "default"
     used_default: bool
     trace: dict[str, Any]
+    # The candidates the rule, the default or the router named, in preference order (what
+    # ``choose = "fastest"`` picks among); left out, just ``candidate``.
+    listed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "listed", tuple(self.listed) or (self.candidate,))
 
 
 class _Eval:
@@ -163,11 +169,18 @@ class _Eval:
 
 
 def make_trace(
-    name: str, candidate: str, rule: str, used_default: bool, **extra: Any
+    name: str,
+    candidate: str,
+    rule: str,
+    used_default: bool,
+    *,
+    listed: Sequence[str] = (),
+    **extra: Any,
 ) -> dict[str, Any]:
     t: dict[str, Any] = {
         "policy": name,
         "candidate": candidate,
+        "listed": list(listed) or [candidate],
         "rule": rule,
         "used_default": used_default,
         "rules": [],
@@ -198,8 +211,11 @@ def evaluate(
             chosen = rule
             break
     if chosen is None:
-        cand, rid, used_default = policy.default, DEFAULT_RULE, True
+        listed, rid, used_default = policy.default_listed, DEFAULT_RULE, True
     else:
-        cand, rid, used_default = chosen.route_to, chosen.id, False
-    trace = make_trace(name, cand, rid, used_default, rules=rules_trace, errors=ev.errors)
-    return Decision(cand, rid, used_default, trace)
+        listed, rid, used_default = chosen.listed, chosen.id, False
+    cand = listed[0]
+    trace = make_trace(
+        name, cand, rid, used_default, listed=listed, rules=rules_trace, errors=ev.errors
+    )
+    return Decision(cand, rid, used_default, trace, listed)

@@ -5,15 +5,19 @@ candidates per request, either by ordered rules over the request (first match wi
 means the default) or by asking a small local "routing helper" LLM. ``parse_policy`` checks a
 policy against the model registry and names every problem by its dotted path
 (``rules[1].match.regex``), so one answer lists them all.
+
+A rule's ``route_to``, the ``default`` and an LLM router's answer name one candidate or a list
+of equivalent ones in preference order; ``choose`` says how the list is used (``first``: its
+first, as with a single name; ``fastest``: the least predicted wait, ``residency.route_wait``).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +25,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WrapValidator,
     model_validator,
 )
 
@@ -51,6 +56,10 @@ LEAVES = (
 COMBINATORS = ("any", "all", "not")
 MATCH_KEYS = COMBINATORS + LEAVES
 
+Choose = Literal["first", "fastest"]
+CHOOSE: tuple[Choose, ...] = ("first", "fastest")
+DEFAULT_EVICT_PENALTY_S = 10.0
+
 
 class PolicyError(ValueError):
     """A bad policy; ``problems`` maps each dotted path (``rules[1].match.regex``) to what is
@@ -74,10 +83,32 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def as_listed(targets: str | Sequence[str]) -> tuple[str, ...]:
+    """The candidates a ``route_to`` or ``default`` names, in preference order."""
+    return (targets,) if isinstance(targets, str) else tuple(targets)
+
+
+def _one_shape_error(v: Any, handler: Callable[[Any], Any]) -> Any:
+    # Pydantic reports a union once per member ("route_to.str", "route_to.list[str][1]");
+    # one problem at the field itself reads better, and _check names the exact entry.
+    try:
+        return handler(v)
+    except ValidationError:
+        raise ValueError("must be a candidate name or a non-empty list of them") from None
+
+
+#: One candidate, or several equivalent ones in preference order.
+Targets = Annotated[str | list[str], WrapValidator(_one_shape_error)]
+
+
 class Rule(_Frozen):
     id: str
     match: dict[str, Any]
-    route_to: str
+    route_to: Targets
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        return as_listed(self.route_to)
 
 
 class Router(_Frozen):
@@ -103,13 +134,25 @@ class Policy(_Frozen):
     cross-references are checked by :func:`_check` so that errors carry precise paths."""
 
     candidates: list[str]
-    default: str
+    default: Targets
     rules: list[Rule] = []
     router: Router | None = None
     classifiers: dict[str, Classifier] = {}
     # Show the chosen candidate's load as reasoning (``[models.X] show_loading``); None: as
     # the candidate says.
     show_loading: bool | None = None
+    # Among the candidates a rule, the default or the router lists: the first, or the one with
+    # the least predicted wait. Strict numbers: a quoted "5" is a typo to report, not to coerce.
+    choose: Choose = "first"
+    # With "fastest": past this predicted wait on every local listed candidate, the first listed
+    # remote one; 0 = never.
+    max_wait_s: float = Field(0.0, strict=True, allow_inf_nan=False)
+    # With "fastest": seconds added to a candidate whose load would evict a model in use.
+    evict_penalty_s: float = Field(DEFAULT_EVICT_PENALTY_S, strict=True, allow_inf_nan=False)
+
+    @property
+    def default_listed(self) -> tuple[str, ...]:
+        return as_listed(self.default)
 
     @model_validator(mode="after")
     def _values(self, info: ValidationInfo) -> Policy:
@@ -144,8 +187,10 @@ def parse_policy(name: str, data: Mapping[str, Any], models: Mapping[str, ModelI
         policy = Policy.model_validate(dict(data), context={_SKIP_CHECKS: True})
     except ValidationError as e:
         for path, msg in _pydantic_problems(e).items():
-            # _check already described this path (usually better, with the registry in mind).
-            problems.setdefault(path, msg)
+            # _check already described this path or an entry under it (usually better, with
+            # the registry in mind): "route_to[1]" says more than "route_to".
+            if not any(k == path or k.startswith((f"{path}[", f"{path}.")) for k in problems):
+                problems[path] = msg
         raise PolicyError(problems) from None
     if problems:
         raise PolicyError(problems)
@@ -207,11 +252,9 @@ def _check(data: Mapping[str, Any], models: Mapping[str, ModelInfo] | None) -> d
                     p[f"candidates[{i}]"] = f"{c!r} is a {info.type} model; candidates must be llm"
         cand_set = seen
 
-    default = data.get("default")
-    if not isinstance(default, str) or not default:
-        p["default"] = "required: one of the candidates"
-    elif isinstance(candidates, list) and default not in cand_set:
-        p["default"] = f"{default!r} is not one of the candidates"
+    known = cand_set if isinstance(candidates, list) else None
+    _check_targets("default", data.get("default"), known, p)
+    _check_choice(data, p)
 
     classifiers = data.get("classifiers") or {}
     labels_of: dict[str, set[str]] = {}
@@ -230,7 +273,7 @@ def _check(data: Mapping[str, Any], models: Mapping[str, ModelInfo] | None) -> d
         regexes: list[tuple[str, str]] = []
         for i, rule in enumerate(rules):
             if isinstance(rule, Mapping):
-                _check_rule(f"rules[{i}]", rule, ids, cand_set, candidates, labels_of, regexes, p)
+                _check_rule(f"rules[{i}]", rule, ids, known, labels_of, regexes, p)
         _check_regex_budget(regexes, p)
     if isinstance(router, Mapping):
         prompt = router.get("prompt")
@@ -238,6 +281,47 @@ def _check(data: Mapping[str, Any], models: Mapping[str, ModelInfo] | None) -> d
             p["router.prompt"] = "must not be empty"
         _check_helper("router.model", router.get("model"), models, p)
     return p
+
+
+def _check_targets(path: str, v: Any, known: set[str] | None, p: dict[str, str]) -> None:
+    """A ``route_to`` or ``default``: a candidate, or a non-empty list of distinct ones.
+    ``known`` None: the candidates are broken themselves, so membership is not checked."""
+    if isinstance(v, str) and v:
+        if known is not None and v not in known:
+            p[path] = f"{v!r} is not one of the candidates"
+        return
+    if not isinstance(v, list):
+        p[path] = "required: one of the candidates, or a non-empty list of them"
+        return
+    if not v:
+        p[path] = "must not be empty: list at least one candidate"
+        return
+    seen: set[str] = set()
+    for i, c in enumerate(v):
+        ip = f"{path}[{i}]"
+        if not isinstance(c, str) or not c:
+            p[ip] = f"must be a candidate name, got {c!r}"
+        elif c in seen:
+            p[ip] = f"duplicate entry {c!r}"
+        elif known is not None and c not in known:
+            p[ip] = f"{c!r} is not one of the candidates"
+        if isinstance(c, str):
+            seen.add(c)
+
+
+def _check_choice(data: Mapping[str, Any], p: dict[str, str]) -> None:
+    """``choose``, ``max_wait_s`` and ``evict_penalty_s``."""
+    choose = data.get("choose", "first")
+    if not isinstance(choose, str) or choose not in CHOOSE:
+        p["choose"] = f'must be "first" or "fastest", got {choose!r}'
+    for key in ("max_wait_s", "evict_penalty_s"):
+        v = data.get(key, 0.0)
+        if not is_number(v) or v < 0:
+            p[key] = f"must be a finite number of seconds >= 0, got {v!r}"
+    wait = data.get("max_wait_s", 0.0)
+    if choose == "first" and "max_wait_s" not in p and wait > 0:
+        # Silently ignoring it would hide a forgotten ``choose = "fastest"``.
+        p["max_wait_s"] = 'only used with choose = "fastest"'
 
 
 def _check_helper(
@@ -288,8 +372,7 @@ def _check_rule(
     base: str,
     rule: Mapping[str, Any],
     ids: set[str],
-    cand_set: set[str],
-    candidates: Any,
+    known: set[str] | None,
     labels_of: Mapping[str, set[str]],
     regexes: list[tuple[str, str]],
     p: dict[str, str],
@@ -304,11 +387,7 @@ def _check_rule(
         p[f"{base}.id"] = f"duplicate rule id {rid!r}"
     else:
         ids.add(rid)
-    route_to = rule.get("route_to")
-    if not isinstance(route_to, str) or not route_to:
-        p[f"{base}.route_to"] = "required: one of the candidates"
-    elif isinstance(candidates, list) and route_to not in cand_set:
-        p[f"{base}.route_to"] = f"{route_to!r} is not one of the candidates"
+    _check_targets(f"{base}.route_to", rule.get("route_to"), known, p)
     if "match" not in rule:
         p[f"{base}.match"] = "required"
     else:

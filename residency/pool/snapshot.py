@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -73,6 +74,24 @@ def _needs(
     return tuple(out)
 
 
+def _load_s(spec: ModelSpec, kinds: dict[str, str], measured: dict[str, str]) -> dict[str, float]:
+    """The measured seconds of its last committed load (``keys.footprint`` fields ``load_s`` and
+    ``load_spec``), on the device kind whose digest that load had: like its bytes
+    (``ledger.expected``), a load of another spec says nothing about the next one."""
+    spec_digest = measured.get("load_spec")
+    try:
+        seconds = float(measured.get("load_s") or "")
+    except ValueError:
+        return {}
+    if not spec_digest or not math.isfinite(seconds) or seconds < 0:
+        return {}
+    return {
+        kind: seconds
+        for kind, device in sorted(kinds.items())
+        if ledger.digest(spec, device) == spec_digest
+    }
+
+
 def _budgets(raw: str | None) -> dict[str, int | None]:
     """An agent's reported budgets; an unreadable report means no byte limit."""
     try:
@@ -134,6 +153,9 @@ class Read:
     queued_by_user: dict[str, dict[str, int]] = field(default_factory=dict)
     # Per model with saved slot caches: its cache record (keys.kvcache).
     cache_hashes: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Per registered model with a measured load of the spec it would load now: its seconds per
+    # device kind (``residency.pool.route_room``).
+    load_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def adopt_model_keys(r: redis.Redis) -> int:
@@ -202,6 +224,7 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
     raw: dict[str, dict[str, str]] = {}
     by_user: dict[str, dict[str, int]] = {}
     cache_hashes: dict[str, dict[str, str]] = {}
+    load_s: dict[str, dict[str, float]] = {}
     for i, n in enumerate(ordered):
         h, queued, in_flight, items, failed, measured, saved = res[
             PER_MODEL * i : PER_MODEL * (i + 1)
@@ -214,6 +237,8 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         raw[n] = h
         if saved:
             cache_hashes[n] = saved
+        if e is not None and (secs := _load_s(e.spec, kinds, measured)):
+            load_s[n] = secs
         models[n] = ModelView(
             name=n,
             type=e.spec.type if e else h.get("type", "llm"),
@@ -275,7 +300,16 @@ def read(r: redis.Redis, s: Settings, now: float) -> Read:
         max_busy_s=s.pool.max_busy_s,
         min_resident_s=s.pool.min_resident_s,
     )
-    return Read(snap, raw, worker_hashes, auto, tuple(sorted(helpers)), by_user, cache_hashes)
+    return Read(
+        snap,
+        raw,
+        worker_hashes,
+        auto,
+        tuple(sorted(helpers)),
+        by_user,
+        cache_hashes,
+        load_s=load_s,
+    )
 
 
 def _slots(h: dict[str, str], in_flight: int) -> dict[str, int] | None:
@@ -292,9 +326,13 @@ def _cache(h: dict[str, str] | None) -> dict[str, int]:
 
 
 def health_record(
-    rd: Read, s: Settings, enforcement: dict[str, Any] | None = None
+    rd: Read,
+    s: Settings,
+    enforcement: dict[str, Any] | None = None,
+    routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The /health document (without ``generation``, which publishing stamps)."""
+    """The /health document (without ``generation``, which publishing stamps). ``routing``: per
+    router policy, its last hour's choices and prediction error (``residency.route_stats``)."""
     snap, raw, worker_hashes = rd.snap, rd.model_hashes, rd.worker_hashes
     models = []
     for m in sorted(snap.models.values(), key=lambda m: m.name):
@@ -369,6 +407,7 @@ def health_record(
         },
         "llm_pool_autosize": rd.autosize.health(),
         "routing_helpers": list(rd.helpers),
+        "routing": routing or {},
         "auto_evict": {"enabled": s.pool.auto_evict, "threshold": s.pool.auto_evict_threshold},
         "models": models,
         "workers": workers,

@@ -21,6 +21,7 @@ import redis
 
 from residency import keys
 from residency.messages import Kind, Request, new_request_id
+from residency.route_wait import Service
 from residency.settings import ModelSpec
 from workers.model_process import ModelProcess
 from workers.runtime import LlamaRuntime
@@ -136,7 +137,8 @@ def test_a_streams_last_chunks_and_the_service_time_ride_in_the_finish_script(
         c for c in cmds if c["command"].upper().startswith(f"SET {keys.service('a')}".upper())
     ]
     assert [c["client_type"] for c in service] == ["lua"]
-    assert float(r.get(keys.service("a")) or 0) > 0
+    pace = Service.parse(r.get(keys.service("a")))
+    assert pace.service_s is not None and pace.service_s > 0
     # Every chunk reached the stream, the one with the finish reason last among them.
     entries = [f for _, f in r.xrange(keys.reply(req.id))]
     assert [f["t"] for f in entries][-1] == "done"

@@ -1,0 +1,302 @@
+"""How long a routed request would wait on each of its listed candidates, and which one it takes.
+
+Pure (no Redis, no clock): ``web.routing`` builds a ``View`` of each candidate from one read of
+the pool (``residency.route_view``), and the same views always give the same choice, so the
+prediction is testable over generated pools like ``residency.pool.decide``.
+
+The wait predicted is the request's time to its first token, in four terms:
+
+- **queue**: the requests that start before it on that model. With fair queues these are the
+  ones ahead of the caller's own turn (``View.ahead``: what ``submit.lua`` would place before
+  it), not the whole queue, so one user's flood lengthens its own predictions, not everyone's.
+  Slots free at ``parallel / service_s`` a second: the ``n``-th free slot comes after about
+  ``(n - 1/2) * service_s / parallel`` (half a service time is left, on average, of the
+  requests in flight);
+- **load**: nothing when it is resident; its measured load time for the same spec when it is
+  cold (``View.load_s``, else an estimate from its bytes), less what a load under way has done;
+- **room**: the residents a load would evict must go first. An idle one goes at once, one in
+  its turn when its turn ends, a busy one when its work is done, or, with ``pool.max_busy_s``,
+  once the load has waited that long and the resident finished what it runs;
+- **prefill**: the prompt's uncached tokens at the model's measured pace to a first token; a
+  prefix this caller's conversation left in a slot or the slot cache of that candidate is not
+  counted.
+
+``choose`` then takes the first listed (``first``, what routing always did), or the one with the
+least predicted wait plus a penalty when its load would evict a model in use (``fastest``),
+the order breaking ties. Past ``max_wait_s`` on every local candidate it takes
+the first listed remote one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["first", "fastest"]
+State = Literal["ready", "loading", "cold", "unavailable"]
+
+#: A model with no measured service time yet is taken to hold a slot this long.
+DEFAULT_SERVICE_S = 2.0
+#: What a load costs before its bytes are read (a process start, the runtime's import), and the
+#: pace of reading them, when no load of the model's spec was measured.
+LOAD_BASE_S = 1.0
+LOAD_BYTES_PER_S = 1.0e9
+#: A load under way is taken to need at least this share of its time more (it is late).
+LOADING_LEFT_MIN = 0.1
+#: Bytes of prompt text per token, for a prompt that has not been tokenized (it never is
+#: before routing).
+BYTES_PER_TOKEN = 4.0
+
+
+@dataclass(frozen=True)
+class Service:
+    """A model's measured pace (``keys.service``): seconds a request holds its slot, seconds
+    from being taken to its first token, and the uncached prompt tokens that took."""
+
+    service_s: float | None = None
+    first_s: float | None = None
+    new_tokens: float | None = None
+
+    @classmethod
+    def parse(cls, raw: str | bytes | None) -> Service:
+        """``"<service> [<first> <tokens>]"``; anything unreadable is unknown."""
+        if not raw:
+            return cls()
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        vals: list[float | None] = []
+        for part in text.split()[:3]:
+            try:
+                v = float(part)
+            except ValueError:
+                v = None
+            vals.append(v if v is not None and math.isfinite(v) and v >= 0 else None)
+        vals += [None] * (3 - len(vals))
+        return cls(vals[0], vals[1], vals[2])
+
+    def dumps(self) -> str:
+        if self.service_s is None:
+            return ""
+        if self.first_s is None or self.new_tokens is None:
+            return f"{self.service_s:.6g}"
+        return f"{self.service_s:.6g} {self.first_s:.6g} {self.new_tokens:.6g}"
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds from being taken to the first token for ``tokens`` uncached prompt tokens:
+        the measured first-token time scaled by tokens (at least one token's share)."""
+        if self.first_s is None or self.new_tokens is None:
+            return 0.0  # not measured (or a damaged record): no guess that scales with tokens
+        per = self.first_s / max(self.new_tokens, 1.0)
+        return max(per, per * tokens)
+
+
+@dataclass(frozen=True)
+class Occupant:
+    """A resident that a load of the candidate would evict, as it is now."""
+
+    name: str
+    in_flight: int = 0
+    queued: int = 0
+    parallel: int = 1
+    service_s: float | None = None
+    turn_left_s: float = 0.0  # idle but in its turn: its slot frees this much later
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or self.queued > 0
+
+    @property
+    def in_use(self) -> bool:
+        """Someone is using it: evicting it takes it from them."""
+        return self.busy or self.turn_left_s > 0
+
+
+@dataclass(frozen=True)
+class View:
+    """One listed candidate as the router sees it."""
+
+    name: str
+    remote: bool = False
+    state: State = "ready"
+    # Why it cannot take the request ("" when it can): outside the caller's key, cold for a
+    # caller that may not load, failing its loads, too large for any device...
+    excluded: str = ""
+    parallel: int = 1
+    in_flight: int = 0
+    ahead: int = 0  # queued requests that start before this caller's next one
+    service: Service = field(default_factory=Service)
+    load_s: float | None = None  # its spec's measured load time (cold or loading)
+    load_bytes: int | None = None  # what it loads, for an estimate when none was measured
+    loading_for_s: float = 0.0  # how long its load under way has run
+    victims: tuple[Occupant, ...] = ()  # what its load would evict (cold)
+    max_busy_s: float = 0.0  # pool.max_busy_s: a busy resident yields after a load waited this
+    cached_tokens: int = 0  # its prefix this caller's conversation left there
+
+
+@dataclass(frozen=True)
+class Prediction:
+    name: str
+    wait_s: float | None  # None: not predicted (a remote, or excluded)
+    queue_s: float = 0.0
+    load_s: float = 0.0
+    room_s: float = 0.0
+    prefill_s: float = 0.0
+    penalty_s: float = 0.0
+    evicts: tuple[str, ...] = ()
+    load_measured: bool = False
+    excluded: str = ""
+
+    @property
+    def score(self) -> float:
+        return math.inf if self.wait_s is None else self.wait_s + self.penalty_s
+
+    def terms(self) -> dict[str, float]:
+        return {
+            "wait": round(self.wait_s or 0.0, 4),
+            "queue": round(self.queue_s, 4),
+            "load": round(self.load_s, 4),
+            "room": round(self.room_s, 4),
+            "prefill": round(self.prefill_s, 4),
+        }
+
+    def trace(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"candidate": self.name}
+        if self.excluded:
+            out["excluded"] = self.excluded
+        if self.wait_s is None:
+            if not self.excluded:
+                out["remote"] = True
+            return out
+        out.update(self.terms())
+        if self.penalty_s:
+            out["penalty"] = round(self.penalty_s, 4)
+        if self.evicts:
+            out["evicts"] = list(self.evicts)
+        if self.load_s:
+            out["load_measured"] = self.load_measured
+        return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    candidate: str
+    # "first" | "fastest" | "only" (one usable) | "none_usable" (the first listed: its own
+    # error answers) | "over_max_wait" (to a remote) | "over_max_wait_no_remote"
+    reason: str
+    predictions: tuple[Prediction, ...]
+
+    def chosen(self) -> Prediction | None:
+        return next((p for p in self.predictions if p.name == self.candidate), None)
+
+
+def prompt_tokens(prompt_bytes: int) -> int:
+    return max(1, math.ceil(prompt_bytes / BYTES_PER_TOKEN))
+
+
+def estimated_load_s(v: View) -> tuple[float, bool]:
+    """(its load's seconds, whether measured)."""
+    if v.load_s is not None:
+        return v.load_s, True
+    return LOAD_BASE_S + (v.load_bytes or 0) / LOAD_BYTES_PER_S, False
+
+
+def slot_wait(n: int, service_s: float, parallel: int) -> float:
+    """Seconds until the ``n``-th slot frees on a model running ``parallel`` at a time (0 for
+    ``n <= 0``: a slot is free)."""
+    if n <= 0:
+        return 0.0
+    return (n - 0.5) * service_s / max(1, parallel)
+
+
+def drain_s(o: Occupant, max_busy_s: float) -> float:
+    """Seconds until a resident a load would evict is gone."""
+    if not o.busy:
+        return o.turn_left_s
+    service = o.service_s if o.service_s is not None else DEFAULT_SERVICE_S
+    parallel = max(1, o.parallel)
+    # Idle once what it runs (half done, on average) and its queue are done: its last queued
+    # request starts when the slot before it frees, and then runs a whole service time.
+    if o.queued == 0:
+        whole = service / 2
+    else:
+        whole = slot_wait(o.in_flight + o.queued - parallel, service, parallel) + service
+    if max_busy_s > 0:
+        # It yields once the load waited max_busy_s: it then finishes only what it runs.
+        return min(whole, max_busy_s + service / 2)
+    return whole
+
+
+def predict(v: View, tokens: int, evict_penalty_s: float = 0.0) -> Prediction:
+    """The predicted wait of a request of ``tokens`` prompt tokens on ``v``."""
+    if v.excluded:
+        return Prediction(v.name, None, excluded=v.excluded)
+    if v.remote:
+        return Prediction(v.name, None)
+    if v.state == "unavailable":
+        return Prediction(v.name, None, excluded="unavailable")
+    service = v.service.service_s if v.service.service_s is not None else DEFAULT_SERVICE_S
+    parallel = max(1, v.parallel)
+    in_flight = v.in_flight if v.state == "ready" else 0
+    queue = slot_wait(in_flight + v.ahead - parallel + 1, service, parallel)
+    load, measured = (0.0, False)
+    room = 0.0
+    evicts: tuple[str, ...] = ()
+    penalty = 0.0
+    if v.state in ("cold", "loading"):
+        load, measured = estimated_load_s(v)
+        if v.state == "loading":
+            load = max(load * LOADING_LEFT_MIN, load - v.loading_for_s)
+        else:
+            evicts = tuple(o.name for o in v.victims)
+            room = max((drain_s(o, v.max_busy_s) for o in v.victims), default=0.0)
+            if any(o.in_use for o in v.victims):
+                penalty = evict_penalty_s
+    new_tokens = max(0, tokens - min(v.cached_tokens, tokens))
+    prefill = v.service.prefill_s(new_tokens)
+    wait = queue + load + room + prefill
+    return Prediction(
+        v.name,
+        wait,
+        queue_s=queue,
+        load_s=load,
+        room_s=room,
+        prefill_s=prefill,
+        penalty_s=penalty,
+        evicts=evicts,
+        load_measured=measured,
+    )
+
+
+def choose(
+    mode: Mode,
+    views: Sequence[View],
+    tokens: int,
+    *,
+    evict_penalty_s: float = 0.0,
+    max_wait_s: float = 0.0,
+) -> Choice:
+    """The candidate among ``views`` (the listed ones, in preference order)."""
+    if not views:
+        raise ValueError("no candidates listed")
+    preds = tuple(predict(v, tokens, evict_penalty_s) for v in views)
+    usable = [(v, p) for v, p in zip(views, preds, strict=True) if not p.excluded]
+    if mode == "first":
+        return Choice(views[0].name, "first", preds)
+    if not usable:
+        return Choice(views[0].name, "none_usable", preds)
+    local = [(v, p) for v, p in usable if not v.remote]
+    remote = [v for v, _ in usable if v.remote]
+    if not local:
+        return Choice(remote[0].name, "only", preds)
+    # The first of equal scores: the list's order breaks ties.
+    best_score = min(p.score for _, p in local)
+    best = next(p for _, p in local if p.score <= best_score)
+    assert best.wait_s is not None
+    if max_wait_s > 0 and all((p.wait_s or 0.0) > max_wait_s for _, p in local):
+        if remote:
+            return Choice(remote[0].name, "over_max_wait", preds)
+        return Choice(best.name, "over_max_wait_no_remote", preds)
+    if len(usable) == 1:
+        return Choice(best.name, "only", preds)
+    return Choice(best.name, "fastest", preds)
