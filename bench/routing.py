@@ -137,7 +137,9 @@ class ModeResult:
     def reasons(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.samples:
-            out[s.reason or "?"] = out.get(s.reason or "?", 0) + 1
+            # A `first` choice keeps the header as it always was: no reason in it.
+            why = s.reason or ("first" if s.route else "?")
+            out[why] = out.get(why, 0) + 1
         return dict(sorted(out.items()))
 
     def client_error(self) -> float | None:
@@ -421,6 +423,18 @@ def run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> dic
     for mode in modes:
         results[mode].error = prediction_error(box, mode, results[mode])
     routing = {m: box.routing(policy_name(m)) for m in modes}
+    if args.samples is not None:
+        # Every request's predicted and actual wait, for a look at which term is off.
+        import redis
+
+        from residency import keys
+
+        r = redis.Redis(unix_socket_path=str(tmp / "box" / "data" / "redis" / "redis.sock"))
+        dump = {
+            m: [json.loads(x) for x in r.lrange(keys.route_samples(policy_name(m)), 0, -1)]
+            for m in modes
+        }
+        args.samples.write_text(json.dumps(dump, indent=1))
     return {
         "results": results,
         "load_s": load_s,
@@ -529,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--llama-server", type=Path, help="llama-server binary (the remote)")
     ap.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
+    ap.add_argument("--samples", type=Path, help="write every route sample (JSON) here")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.bursts = QUICK_ROUNDS, QUICK_BURSTS

@@ -103,7 +103,9 @@ def model(name: str) -> str:
     ``load_user`` and ``load_key`` (whose request caused its current load: its load time is
     charged to them; set by ``start_load.lua``), ``footprint_bytes`` and ``estimate_bytes``
     (its memory measured after its load and the estimate for it, see ``residency.footprint``;
-    absent when not measured).
+    absent when not measured), ``draining_since`` (the coordinator's clock) and ``drain_t``
+    (Redis's) while it drains, ``unload_s`` (how long its last unload took, from its drain's
+    start on Redis's clock: written by ``try_unload.lua``, kept across loads).
     ``state`` and ``token`` are written only through the compare-and-set scripts in
     ``residency.lua`` (by the coordinator, the agent and the model process); the coordinator's
     other writes to it are fenced by its lease."""
@@ -305,14 +307,15 @@ def quota_concurrent(subject: str, name: str) -> str:
 
 
 def service(name: str) -> str:
-    """string ``"<service s> [<first s> <new tokens>]"``, TTL ``SERVICE_TTL_S``: how long a
-    request of this model holds its slot, in seconds, then how long one takes from being taken
-    to its first token and how many uncached prompt tokens it had (moving averages over recent
-    requests; ``residency.route_wait.Service`` reads it). Written by its model process after
-    each request; read by web to compute the ``Retry-After`` of a 429 (queue depth x the
-    service time / slots) and the router's predicted waits.
-    A key of its own, not a field of the model hash: a late write can never bring back the
-    hash of a model that was forgotten."""
+    """string ``"<service s> [<first s> <bytes> <bytes^2> <bytes*first s>]"``, TTL
+    ``SERVICE_TTL_S``: how long a request of this model holds its slot, in seconds, then how
+    long one takes from being taken to its first token, its uncached prompt bytes
+    (``residency.prompt_size``), their square and their product with those seconds (moving
+    averages over recent requests, a line's fit: ``residency.route_wait.Service`` reads it).
+    Written by its model process after each request; read by web to compute the
+    ``Retry-After`` of a 429 (queue depth x the service time / slots) and the router's
+    predicted waits. A key of its own, not a field of the model hash: a late write can never
+    bring back the hash of a model that was forgotten."""
     return f"{PREFIX}service:{name}"
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from residency import ledger, route_wait
+from residency import ledger
 from residency.lua import Scripts
 from residency.route_wait import Occupant, Service, View
 from residency.settings import ModelSpec
@@ -145,7 +145,7 @@ def view(
     *,
     now: float,
     caller: Caller,
-    tokens_cached: int,
+    cached: int,
 ) -> View:
     """One listed candidate's view (pure). ``spec`` None: not registered (excluded);
     ``others``: the live rows of the residents its load would evict."""
@@ -164,7 +164,7 @@ def view(
         "parallel": parallel,
         "ahead": row.ahead,
         "service": row.service,
-        "cached_tokens": tokens_cached,
+        "cached_bytes": cached,
         "max_busy_s": max_busy,
     }
     if row.state == "ready":
@@ -188,10 +188,12 @@ def view(
         # The pool's own answer: too large for any device, failing its loads, no worker.
         return View(name, state="unavailable", excluded=str(entry.get("reason") or "no room"))
     turn_left = entry.get("turn_left") if isinstance(entry, dict) else None
+    unload = entry.get("unload_s") if isinstance(entry, dict) else None
     occupants = []
     for victim in victims_of(room, name):
         o = others.get(victim, Row())
         left = _float(turn_left.get(victim)) if isinstance(turn_left, dict) else None
+        took = _float(unload.get(victim)) if isinstance(unload, dict) else None
         occupants.append(
             Occupant(
                 victim,
@@ -200,6 +202,7 @@ def view(
                 parallel=o.parallel or 1,
                 service_s=o.service.service_s,
                 turn_left_s=left or 0.0,
+                unload_s=took or 0.0,
             )
         )
     return View(
@@ -260,7 +263,7 @@ def read(
                 rows,
                 now=now,
                 caller=caller,
-                tokens_cached=route_wait.prompt_tokens(cached) if cached else 0,
+                cached=cached,
             )
         )
     return Read(tuple(out), room)

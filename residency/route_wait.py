@@ -16,10 +16,11 @@ The wait predicted is the request's time to its first token, in four terms:
   cold (``View.load_s``, else an estimate from its bytes), less what a load under way has done;
 - **room**: the residents a load would evict must go first. An idle one goes at once, one in
   its turn when its turn ends, a busy one when its work is done, or, with ``pool.max_busy_s``,
-  once the load has waited that long and the resident finished what it runs;
-- **prefill**: the prompt's uncached tokens at the model's measured pace to a first token; a
-  prefix this caller's conversation left in a slot or the slot cache of that candidate is not
-  counted.
+  once the load has waited that long and the resident finished what it runs; then each takes
+  its measured unload time;
+- **prefill**: the prompt's uncached bytes at the model's measured pace to a first token (a
+  line fitted to its recent requests: the prompt is never tokenized before routing); a prefix
+  this caller's conversation left in a slot or the slot cache of that candidate is not counted.
 
 ``choose`` then takes the first listed (``first``, what routing always did), or the one with the
 least predicted wait plus a penalty when its load would evict a model in use (``fastest``),
@@ -45,50 +46,66 @@ LOAD_BASE_S = 1.0
 LOAD_BYTES_PER_S = 1.0e9
 #: A load under way is taken to need at least this share of its time more (it is late).
 LOADING_LEFT_MIN = 0.1
-#: Bytes of prompt text per token, for a prompt that has not been tokenized (it never is
-#: before routing).
-BYTES_PER_TOKEN = 4.0
 
 
 @dataclass(frozen=True)
 class Service:
-    """A model's measured pace (``keys.service``): seconds a request holds its slot, seconds
-    from being taken to its first token, and the uncached prompt tokens that took."""
+    """A model's measured pace (``keys.service``): seconds a request holds its slot, and, over
+    recent generations, moving averages of the seconds from being taken to the first token
+    (``first_s``), of the uncached prompt bytes (``new_bytes``, in ``residency.prompt_size``'s
+    measure: the router never tokenizes), of their square and of their product with the
+    seconds: a least-squares line through them is the prefill pace."""
 
     service_s: float | None = None
     first_s: float | None = None
-    new_tokens: float | None = None
+    new_bytes: float | None = None
+    bytes_sq: float | None = None
+    bytes_first: float | None = None
 
     @classmethod
     def parse(cls, raw: str | bytes | None) -> Service:
-        """``"<service> [<first> <tokens>]"``; anything unreadable is unknown."""
+        """``"<service> [<first> <bytes> <bytes^2> <bytes*first>]"``; anything unreadable is
+        unknown (an older record of another shape keeps only its service time)."""
         if not raw:
             return cls()
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
         vals: list[float | None] = []
-        for part in text.split()[:3]:
+        for part in text.split()[:5]:
             try:
                 v = float(part)
             except ValueError:
                 v = None
             vals.append(v if v is not None and math.isfinite(v) and v >= 0 else None)
-        vals += [None] * (3 - len(vals))
-        return cls(vals[0], vals[1], vals[2])
+        if len(vals) < 5:
+            return cls(vals[0] if vals else None)
+        return cls(*vals)
 
     def dumps(self) -> str:
         if self.service_s is None:
             return ""
-        if self.first_s is None or self.new_tokens is None:
+        fit = (self.first_s, self.new_bytes, self.bytes_sq, self.bytes_first)
+        if any(v is None for v in fit):
             return f"{self.service_s:.6g}"
-        return f"{self.service_s:.6g} {self.first_s:.6g} {self.new_tokens:.6g}"
+        # The fit's averages to 12 digits: its spread is a difference of two of them (the
+        # square's average less the average's square), which at 6 digits is rounding noise
+        # when the sizes barely vary, and a slope out of that noise.
+        return f"{self.service_s:.6g} " + " ".join(f"{v:.12g}" for v in fit)
 
-    def prefill_s(self, tokens: int) -> float:
-        """Seconds from being taken to the first token for ``tokens`` uncached prompt tokens:
-        the measured first-token time scaled by tokens (at least one token's share)."""
-        if self.first_s is None or self.new_tokens is None:
-            return 0.0  # not measured (or a damaged record): no guess that scales with tokens
-        per = self.first_s / max(self.new_tokens, 1.0)
-        return max(per, per * tokens)
+    def prefill_s(self, new_bytes: int) -> float:
+        """Seconds from being taken to the first token for a prompt of ``new_bytes`` uncached
+        bytes: the line fitted to the recent requests (a fixed part, the first decode step,
+        and a part per byte), or their average pace through zero while they were all of one
+        size; 0 when not measured."""
+        y, x, xx, xy = self.first_s, self.new_bytes, self.bytes_sq, self.bytes_first
+        if y is None or x is None or xx is None or xy is None:
+            return 0.0
+        var = xx - x * x
+        if var > max(1.0, 1e-6 * xx):
+            slope = max(0.0, (xy - x * y) / var)
+            base = max(0.0, y - slope * x)
+        else:
+            slope, base = (y / x if x > 0 else 0.0), 0.0
+        return base + slope * max(0, new_bytes)
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,7 @@ class Occupant:
     parallel: int = 1
     service_s: float | None = None
     turn_left_s: float = 0.0  # idle but in its turn: its slot frees this much later
+    unload_s: float = 0.0  # how long its last unload took (its drain to its unload)
 
     @property
     def busy(self) -> bool:
@@ -131,7 +149,7 @@ class View:
     loading_for_s: float = 0.0  # how long its load under way has run
     victims: tuple[Occupant, ...] = ()  # what its load would evict (cold)
     max_busy_s: float = 0.0  # pool.max_busy_s: a busy resident yields after a load waited this
-    cached_tokens: int = 0  # its prefix this caller's conversation left there
+    cached_bytes: int = 0  # its prefix this caller's conversation left there
 
 
 @dataclass(frozen=True)
@@ -190,10 +208,6 @@ class Choice:
         return next((p for p in self.predictions if p.name == self.candidate), None)
 
 
-def prompt_tokens(prompt_bytes: int) -> int:
-    return max(1, math.ceil(prompt_bytes / BYTES_PER_TOKEN))
-
-
 def estimated_load_s(v: View) -> tuple[float, bool]:
     """(its load's seconds, whether measured)."""
     if v.load_s is not None:
@@ -210,7 +224,13 @@ def slot_wait(n: int, service_s: float, parallel: int) -> float:
 
 
 def drain_s(o: Occupant, max_busy_s: float) -> float:
-    """Seconds until a resident a load would evict is gone."""
+    """Seconds until a resident a load would evict is gone: until it is idle (``idle_s``),
+    then its unload."""
+    return idle_s(o, max_busy_s) + o.unload_s
+
+
+def idle_s(o: Occupant, max_busy_s: float) -> float:
+    """Seconds until a resident a load would evict may go."""
     if not o.busy:
         return o.turn_left_s
     service = o.service_s if o.service_s is not None else DEFAULT_SERVICE_S
@@ -227,8 +247,9 @@ def drain_s(o: Occupant, max_busy_s: float) -> float:
     return whole
 
 
-def predict(v: View, tokens: int, evict_penalty_s: float = 0.0) -> Prediction:
-    """The predicted wait of a request of ``tokens`` prompt tokens on ``v``."""
+def predict(v: View, prompt_bytes: int, evict_penalty_s: float = 0.0) -> Prediction:
+    """The predicted wait on ``v`` of a request whose prompt is ``prompt_bytes`` long
+    (``residency.prompt_size``)."""
     if v.excluded:
         return Prediction(v.name, None, excluded=v.excluded)
     if v.remote:
@@ -252,8 +273,8 @@ def predict(v: View, tokens: int, evict_penalty_s: float = 0.0) -> Prediction:
             room = max((drain_s(o, v.max_busy_s) for o in v.victims), default=0.0)
             if any(o.in_use for o in v.victims):
                 penalty = evict_penalty_s
-    new_tokens = max(0, tokens - min(v.cached_tokens, tokens))
-    prefill = v.service.prefill_s(new_tokens)
+    new_bytes = max(0, prompt_bytes - min(v.cached_bytes, prompt_bytes))
+    prefill = v.service.prefill_s(new_bytes)
     wait = queue + load + room + prefill
     return Prediction(
         v.name,
@@ -271,7 +292,7 @@ def predict(v: View, tokens: int, evict_penalty_s: float = 0.0) -> Prediction:
 def choose(
     mode: Mode,
     views: Sequence[View],
-    tokens: int,
+    prompt_bytes: int,
     *,
     evict_penalty_s: float = 0.0,
     max_wait_s: float = 0.0,
@@ -279,7 +300,7 @@ def choose(
     """The candidate among ``views`` (the listed ones, in preference order)."""
     if not views:
         raise ValueError("no candidates listed")
-    preds = tuple(predict(v, tokens, evict_penalty_s) for v in views)
+    preds = tuple(predict(v, prompt_bytes, evict_penalty_s) for v in views)
     usable = [(v, p) for v, p in zip(views, preds, strict=True) if not p.excluded]
     if mode == "first":
         return Choice(views[0].name, "first", preds)

@@ -31,7 +31,6 @@ Anonymous callers, and users and keys without quotas, cost no Redis round trip h
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -47,6 +46,7 @@ from residency import keys
 from residency.auth import ANONYMOUS, Principal, Quotas
 from residency.errors import ApiError
 from residency.lua import Scripts
+from residency.prompt_size import prompt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -99,43 +99,6 @@ class Ticket:
 
 def day_of(now: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(now))
-
-
-#: The request fields whose text becomes the prompt (what a reservation counts).
-PROMPT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "query", "documents")
-
-
-#: What a reservation counts one image as: its bytes say nothing of the positions it fills (a
-#: 300 KB photo fills 256 of Gemma 3's), and counted as text they would reserve a day's quota
-#: for one picture. More than the projectors served here give an image (LLaVA-style tiling
-#: stays under 3,000).
-IMAGE_TOKENS = 4096
-
-
-def prompt_bytes(params: Mapping[str, Any]) -> int:
-    """An upper bound of the tokens ``params``' prompt takes: the UTF-8 bytes of its prompt
-    fields as JSON (every token of a byte-level vocabulary is at least one byte, and the JSON
-    around each message outweighs the few tokens its chat template adds), each chat image
-    part counted as ``IMAGE_TOKENS`` instead of its URL."""
-    parts = {k: params[k] for k in PROMPT_FIELDS if k in params}
-    images = 0
-    messages = parts.get("messages")
-    if isinstance(messages, list) and any(isinstance(m, Mapping) for m in messages):
-        kept: list[Any] = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, Mapping) else None
-            if isinstance(content, list):
-                text = [p for p in content if not _is_image(p)]
-                images += len(content) - len(text)
-                m = {**m, "content": text}
-            kept.append(m)
-        parts["messages"] = kept
-    body = json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()
-    return len(body) + images * IMAGE_TOKENS
-
-
-def _is_image(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") == "image_url"
 
 
 def reservation(params: Mapping[str, Any], max_tokens: int | None) -> int:

@@ -22,13 +22,13 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from residency import keys, policies, registry, route_view, route_wait
+from residency import keys, policies, prompt_size, registry, route_view, route_wait
 from residency.auth import ANONYMOUS, Principal
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
 from residency.settings import ModelSpec, Settings
-from web import bus, quota
+from web import bus
 from web.state import State
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def choose(
     if not any(spec is not None and not spec.remote for _, spec in specs):
         return Routed(decision)  # a remote or an unregistered candidate: nothing to predict
     digest = conversation_digest(body)
-    size = quota.prompt_bytes(body)
+    size = prompt_size.prompt_bytes(body)
     read = route_view.read(
         st.scripts,
         specs,
@@ -205,7 +205,7 @@ def choose(
     choice = route_wait.choose(
         policy.choose,
         read.views,
-        route_wait.prompt_tokens(size),
+        size,
         evict_penalty_s=policy.evict_penalty_s,
         max_wait_s=policy.max_wait_s,
     )
@@ -247,7 +247,7 @@ def record(
         if routed.choice is not None:
             pipe.set(
                 keys.route_prefix(subject, digest),
-                json.dumps({decision.candidate: [now, quota.prompt_bytes(body)]}),
+                json.dumps({decision.candidate: [now, prompt_size.prompt_bytes(body)]}),
                 ex=keys.CONVERSATION_TTL_S,
             )
     res = pipe.execute()

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -23,7 +24,7 @@ from typing import Any, TypeVar, cast
 import redis
 from opentelemetry import trace
 
-from residency import keys, ledger, metrics, procs, registry, tracing, vision, work
+from residency import keys, ledger, metrics, procs, prompt_size, registry, tracing, vision, work
 from residency.box import Box, ConfigStore, connect
 from residency.errors import ApiError, deadline_exceeded
 from residency.loops import REDIS_DOWN, Waker, blmove
@@ -125,7 +126,7 @@ class ModelProcess:
         # The coordinator asked it to give its slot to a waiting model: it takes nothing new.
         self.yielding = False
         # Moving averages of a request's time in its slot, its time to a first token and its
-        # uncached prompt tokens (keys.service).
+        # uncached prompt bytes, with the square and product a line's fit needs (keys.service).
         self._service = Service()
         self._service_lock = threading.Lock()
         # What stopped the runtime's engine thread: the process then takes nothing more and
@@ -222,11 +223,12 @@ class ModelProcess:
         # Who caused this load (recorded when it started): its time is charged to them. And
         # when the coordinator started it: what a client waiting for this load waits includes
         # the process's spawn, which ``seconds`` does not.
-        cause_user, cause_key, since = self.retrying(
-            "read who caused the load",
-            lambda: self.r.hmget(
-                keys.model(self.model), ["load_user", "load_key", "loading_since"]
-            ),
+        # And the load time measured before for this spec, which this one is folded into.
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hmget(keys.model(self.model), ["load_user", "load_key", "loading_since"])
+        pipe.hmget(keys.footprint(self.model), ["load_s", "load_spec"])
+        (cause_user, cause_key, since), before = self.retrying(
+            "read who caused the load", pipe.execute
         )
         waited = _since(since, now, seconds)
         ok, res = self.retrying(
@@ -281,8 +283,9 @@ class ModelProcess:
             # from it (measured or not, a load's time is known).
             pipe.hset(
                 keys.footprint(self.model),
-                mapping={"load_s": round(waited, 4), "load_spec": digest},
-            )
+                mapping={"load_s": round(load_average(before, digest, waited), 4),
+                         "load_spec": digest},
+            )  # fmt: skip
         self.retrying("count the load", pipe.execute)
         self.retrying("publish the slot cache", self.publish_cache)
         self.ready_at = now
@@ -729,14 +732,18 @@ class ModelProcess:
     def _served(self, req: Request, seconds: float, timed: Timings, usage: list[int]) -> Service:
         """Fold one request into the model's pace (web reads it to tell a refused client when
         to retry, the router to predict waits): its time in its slot and, a generation that
-        reached its first token, that time and its uncached prompt tokens. Returns the new
+        reached its first token, that time and its uncached prompt bytes. Returns the new
         averages."""
-        first_s = new_tokens = None
+        first_s = new_bytes = None
         if req.kind in (Kind.CHAT, Kind.COMPLETION) and timed.first is not None and usage:
             first_s = timed.first - timed.taken
-            new_tokens = usage[0] - usage[2]
+            # In the router's measure (it never tokenizes): the prompt's bytes, less the share
+            # of its tokens a cache held.
+            prompt, cached = usage[0], usage[2]
+            uncached = (prompt - cached) / prompt if prompt > 0 else 1.0
+            new_bytes = prompt_size.prompt_bytes(req.params) * max(0.0, uncached)
         with self._service_lock:
-            self._service = fold_service(self._service, seconds, first_s, new_tokens)
+            self._service = fold_service(self._service, seconds, first_s, new_bytes)
             return self._service
 
     def _deadline_error(self, req: Request) -> tuple[str, dict[str, Any]]:
@@ -898,6 +905,25 @@ class ModelProcess:
         if gate is not None and gate.cancelled.is_set():
             return True
         return self.scripts.flush(req_id, batch, renew=renew)
+
+
+#: The weight of the newest load in a spec's measured load time. Loads of one spec differ by
+#: more than noise: one that finds the agent's warm process takes the model's own load time, one
+#: right after it (the warm process not yet replaced) a process start too.
+LOAD_EWMA = 0.3
+
+
+def load_average(before: list[Any], digest: str, seconds: float) -> float:
+    """The spec's load time with this load's ``seconds`` folded in; ``before``: the footprint
+    hash's ``load_s`` and ``load_spec`` (another spec's time, or none, starts afresh)."""
+    prev, spec = [*before, None, None][:2]
+    try:
+        p = float(prev)
+    except (TypeError, ValueError):
+        return seconds
+    if spec != digest or not math.isfinite(p) or p < 0:
+        return seconds
+    return p + LOAD_EWMA * (seconds - p)
 
 
 def _since(loading_since: Any, now: float, seconds: float) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from residency.policies.schema import POLICY_NAME_RE
@@ -76,18 +76,22 @@ def _ewma(prev: float | None, value: float) -> float:
 
 
 def fold_service(
-    prev: Service, served_s: float, first_s: float | None = None, new_tokens: int | None = None
+    prev: Service, served_s: float, first_s: float | None = None, new_bytes: float | None = None
 ) -> Service:
     """``prev`` with one request folded in: ``served_s`` in its slot, and (a generation that
-    reached its first token) ``first_s`` from being taken to it for ``new_tokens`` uncached
-    prompt tokens. A request without them (an embedding, a rerank, one ended before its first
-    token) leaves those two averages as they were."""
-    if first_s is None or new_tokens is None:
-        return Service(_ewma(prev.service_s, served_s), prev.first_s, prev.new_tokens)
+    reached its first token) ``first_s`` from being taken to it for ``new_bytes`` uncached
+    prompt bytes (``residency.prompt_size``), with the square and product the line's fit needs.
+    A request without them (an embedding, a rerank, one ended before its first token) leaves
+    those averages as they were."""
+    if first_s is None or new_bytes is None:
+        return replace(prev, service_s=_ewma(prev.service_s, served_s))
+    y, x = max(0.0, first_s), max(0.0, float(new_bytes))
     return Service(
         _ewma(prev.service_s, served_s),
-        _ewma(prev.first_s, max(0.0, first_s)),
-        _ewma(prev.new_tokens, float(max(0, new_tokens))),
+        _ewma(prev.first_s, y),
+        _ewma(prev.new_bytes, x),
+        _ewma(prev.bytes_sq, x * x),
+        _ewma(prev.bytes_first, x * y),
     )
 
 

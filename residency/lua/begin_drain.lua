@@ -13,6 +13,10 @@ if redis.call('LLEN', KEYS[2]) > 0 and not redis.call('HGET', KEYS[1], 'yielding
 end
 local ok, prev = cas(KEYS[1], 'draining', ARGV[1], ARGV[2])
 if not ok then return prev end
-redis.call('HSET', KEYS[1], 'draining_since', ARGV[4])
+-- drain_t: the same moment on Redis's clock, which try_unload.lua measures the unload by (the
+-- coordinator's clock may be another host's).
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'draining_since', ARGV[4],
+  'drain_t', string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1e6))
 redis.call('RPUSH', KEYS[4], ARGV[3])
 return 'ok'

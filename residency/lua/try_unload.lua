@@ -10,7 +10,7 @@ local queued = redis.call('LLEN', KEYS[2]) > 0 and not redis.call('HGET', KEYS[1
 if queued or redis.call('LLEN', KEYS[3]) > 0 then
   local ok, prev = cas(KEYS[1], 'ready', ARGV[3], ARGV[1])
   if not ok then return prev end
-  redis.call('HDEL', KEYS[1], 'draining_since')
+  redis.call('HDEL', KEYS[1], 'draining_since', 'drain_t')
   redis.call('RPUSH', KEYS[4], ARGV[5])
   return 'rescued'
 end
@@ -21,7 +21,16 @@ local where = redis.call('HMGET', KEYS[1], 'host', 'device')
 if where[1] and where[2] then
   redis.call('HSET', KEYS[1], 'last_host', where[1], 'last_device', where[2])
 end
-redis.call('HDEL', KEYS[1], 'pid', 'host', 'device', 'draining_since', 'loading_since')
+-- How long its unload took (the router waits that long for the room of an idle resident), on
+-- Redis's clock from begin_drain.lua's drain_t.
+local since = tonumber(redis.call('HGET', KEYS[1], 'drain_t') or '')
+if since then
+  local t = redis.call('TIME')
+  local took = tonumber(t[1]) + tonumber(t[2]) / 1e6 - since
+  redis.call('HSET', KEYS[1], 'unload_s', string.format('%.3f', math.max(0, took)))
+end
+redis.call('HDEL', KEYS[1], 'pid', 'host', 'device', 'draining_since', 'drain_t',
+  'loading_since')
 -- Nothing left in flight: the fair tags of requests dropped without a finish go too (a
 -- yielding model's queued requests keep theirs for its next load).
 if redis.call('LLEN', KEYS[2]) == 0 then redis.call('DEL', KEYS[5], KEYS[6]) end

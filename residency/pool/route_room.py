@@ -62,10 +62,14 @@ def _load_s(measured: dict[str, float] | None, device: str | None) -> float | No
 
 
 def room(
-    snap: Snapshot, name: str, measured_load_s: dict[str, float] | None = None
+    snap: Snapshot,
+    name: str,
+    measured_load_s: dict[str, float] | None = None,
+    unload_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """What a load of the cold model ``name`` would need now. ``measured_load_s``: its load's
-    measured seconds per device kind, for the spec it would load now (``Read.load_s``)."""
+    measured seconds per device kind, for the spec it would load now (``Read.load_s``);
+    ``unload_s``: how long each model's last unload took (``unloaded_s``)."""
     m = snap.models[name]
     answer = fit(idle(snap), name)
     device = answer.get("device") if answer["fits"] else None
@@ -77,6 +81,7 @@ def room(
         "turn_left": {
             v: round(turn_left(snap.models[v], snap), 3) for v in victims if v in snap.models
         },
+        "unload_s": {v: (unload_s or {})[v] for v in victims if v in (unload_s or {})},
         "load_s": _load_s(measured_load_s, device),
         "load_bytes": _bytes(m, device),
     }
@@ -94,12 +99,26 @@ def asked(snap: Snapshot, candidates: frozenset[str]) -> list[str]:
     )
 
 
+def unloaded_s(hashes: dict[str, dict[str, str]]) -> dict[str, float]:
+    """How long each model's last unload took (``unload_s`` in its model hash, written by
+    ``try_unload.lua``: from the start of its drain to its unload)."""
+    out: dict[str, float] = {}
+    for n, h in hashes.items():
+        try:
+            out[n] = float(h["unload_s"])
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
 def published(rd: Read) -> dict[str, Any]:
     """The ``route_room`` field of one pass: per cold candidate of any policy, its room."""
     snap = rd.snap
+    unload = unloaded_s(rd.model_hashes)
     return {
         "models": {
-            n: room(snap, n, rd.load_s.get(n)) for n in asked(snap, rd.autosize.floor.candidates)
+            n: room(snap, n, rd.load_s.get(n), unload)
+            for n in asked(snap, rd.autosize.floor.candidates)
         },
         "max_busy_s": snap.max_busy_s,
     }

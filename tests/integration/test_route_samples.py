@@ -14,11 +14,13 @@ import pytest
 from residency import keys, ledger, metrics
 from residency.lua import Scripts
 from residency.messages import Kind
+from residency.prompt_size import prompt_bytes
 from residency.route_wait import Service
 from residency.settings import ModelSpec
 from residency.tinymodel import write_tiny_model
 from tests.conftest import Pool
 from web import bus
+from workers.timings import SERVICE_EWMA
 
 PREDICTED = {"wait": 0.5, "queue": 0.0, "load": 0.25, "room": 0.0, "prefill": 0.25}
 ROUTE = {"policy": "auto", "rule": "code", "predicted": PREDICTED}
@@ -33,6 +35,9 @@ def route_model(models_dir: Path) -> dict[str, dict[str, Any]]:
     return {"rs": {"path": str(path), "n_ctx": 512, "parallel": 1}}
 
 
+PARAMS: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
 def chat(pool: Pool, **kw: Any) -> dict[str, Any]:
     r = pool.r
     call = bus.submit(
@@ -40,7 +45,7 @@ def chat(pool: Pool, **kw: Any) -> dict[str, Any]:
         Scripts(r),
         kind=Kind.CHAT,
         model="rs",
-        params={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        params=PARAMS,
         stream=False,
         bound=-1,
         timeout_s=120,
@@ -94,8 +99,20 @@ def test_the_model_s_pace_and_its_spec_s_load_time_are_recorded(
     pace = Service.parse(pool.r.get(keys.service("rs")))
     assert pace.service_s is not None and pace.service_s > 0
     assert pace.first_s is not None and pace.first_s >= 0
-    assert pace.new_tokens is not None and pace.new_tokens > 0  # nothing was cached yet
-    assert len(str(pool.r.get(keys.service("rs"))).split()) == 3
+    # In the router's measure: the prompt's bytes, all of them (nothing was cached yet).
+    size = prompt_bytes(PARAMS)
+    assert pace.new_bytes == pytest.approx(size, rel=1e-9)
+    assert pace.bytes_sq == pytest.approx(size * size, rel=1e-9)
+    assert pace.bytes_first == pytest.approx(size * pace.first_s, rel=1e-6)
+    assert len(str(pool.r.get(keys.service("rs"))).split()) == 5
+
+    # The same prompt again: the share of its tokens the slot still held is not counted.
+    usage = chat(pool)["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0  # the slot kept the conversation
+    uncached = size * (usage["prompt_tokens"] - cached) / usage["prompt_tokens"]
+    again = Service.parse(pool.r.get(keys.service("rs")))
+    assert again.new_bytes == pytest.approx(size + SERVICE_EWMA * (uncached - size), rel=1e-9)
 
     rec = {str(k): str(v) for k, v in pool.r.hgetall(keys.footprint("rs")).items()}
     spec = ModelSpec.model_validate(route_model["rs"])

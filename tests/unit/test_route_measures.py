@@ -17,30 +17,70 @@ PREDICTED = {"wait": 1.5, "queue": 0.5, "load": 0.0, "room": 0.0, "prefill": 1.0
 ROUTE = {"policy": "auto", "rule": "code", "predicted": PREDICTED}
 
 
-def test_the_service_format_round_trips_and_reads_an_old_single_number() -> None:
-    full = Service(0.75, 0.125, 40.0)
+def test_the_service_format_round_trips_and_reads_an_old_record_as_its_service_time() -> None:
+    full = Service(0.75, 0.125, 40.0, 1600.0, 5.0)
     assert Service.parse(full.dumps()) == full
     assert Service.parse(full.dumps().encode()) == full
-    # Written by a model process of an older version: the service time only.
-    assert Service.parse("0.5000") == Service(0.5, None, None)
+    # Written by a model process of an older version: the service time only, or with a
+    # first-token time over prompt *tokens* (not this fit's bytes): its service time alone.
+    assert Service.parse("0.5000") == Service(0.5)
+    assert Service.parse("0.75 0.125 40") == Service(0.75)
     assert Service.parse(Service(0.5).dumps()) == Service(0.5)
     assert Service.parse(None) == Service() and Service().dumps() == ""
 
 
-def test_a_generation_folds_all_three_averages_and_an_embedding_only_its_service_time() -> None:
+def test_a_generation_folds_all_five_averages_and_an_embedding_only_its_service_time() -> None:
     first = fold_service(Service(), 2.0, 0.5, 100)
-    assert first == Service(2.0, 0.5, 100.0)  # the first request is the average
+    # The first request is the average: its bytes, their square, their product with its time.
+    assert first == Service(2.0, 0.5, 100.0, 10000.0, 50.0)
     nxt = fold_service(first, 4.0, 1.5, 0)
     assert nxt.service_s == pytest.approx(2.0 + SERVICE_EWMA * 2.0)
     assert nxt.first_s == pytest.approx(0.5 + SERVICE_EWMA * 1.0)
-    assert nxt.new_tokens == pytest.approx(100.0 - SERVICE_EWMA * 100.0)
+    assert nxt.new_bytes == pytest.approx(100.0 - SERVICE_EWMA * 100.0)
+    assert nxt.bytes_sq == pytest.approx(10000.0 - SERVICE_EWMA * 10000.0)
+    assert nxt.bytes_first == pytest.approx(50.0 - SERVICE_EWMA * 50.0)
     # An embedding (or a generation ended before its first token) has no first token.
     emb = fold_service(nxt, 1.0)
-    assert (emb.first_s, emb.new_tokens) == (nxt.first_s, nxt.new_tokens)
+    fit = (nxt.first_s, nxt.new_bytes, nxt.bytes_sq, nxt.bytes_first)
+    assert (emb.first_s, emb.new_bytes, emb.bytes_sq, emb.bytes_first) == fit
     assert emb.service_s == pytest.approx(nxt.service_s + SERVICE_EWMA * (1.0 - nxt.service_s))
-    assert len(emb.dumps().split()) == 3
+    assert len(emb.dumps().split()) == 5
     # A model that served only embeddings writes its service time alone.
     assert len(fold_service(Service(), 1.0).dumps().split()) == 1
+    # Never a negative time or size (a clock step, a cache count above the prompt's).
+    assert fold_service(Service(), 1.0, -0.5, -10.0) == Service(1.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _through_the_key(requests: list[tuple[float, float]]) -> Service:
+    """The pace a model process folds from ``requests`` (uncached bytes, seconds to a first
+    token), as the router reads it back from ``keys.service``."""
+    s = Service()
+    for x, y in requests:
+        s = fold_service(s, 1.0, y, x)
+    return Service.parse(s.dumps())
+
+
+def test_the_router_reads_the_line_through_two_sizes_folded_by_the_model_process() -> None:
+    # 0.15 s whatever the size, then 40 us a byte: short and long prompts, interleaved.
+    def first(x: float) -> float:
+        return 0.15 + 40e-6 * x
+
+    pace = _through_the_key([(x, first(x)) for x in [1200.0, 9800.0, 9800.0, 1200.0] * 10])
+    for size in (0, 1200, 5000, 30_000):
+        assert pace.prefill_s(size) == pytest.approx(first(size), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("size", "first_s"),
+    [(2000.0, 0.5), (12345.6, 0.1234567), (73937.545881427, 1.463164284181562), (3456.0, 0.04)],
+)
+def test_the_router_reads_one_size_as_a_pace_through_zero(size: float, first_s: float) -> None:
+    # Every request of one size (a benchmark, an agent's fixed prompt), its bytes a fraction
+    # (a share of them cached): twice the size takes twice the time, half of it half.
+    pace = _through_the_key([(size, first_s)] * 30)
+    assert pace.prefill_s(round(size)) == pytest.approx(first_s, rel=1e-3)
+    assert pace.prefill_s(round(2 * size)) == pytest.approx(2 * first_s, rel=1e-3)
+    assert pace.prefill_s(round(size / 2)) == pytest.approx(first_s / 2, rel=1e-3)
 
 
 def test_the_actual_wait_is_its_queue_plus_its_first_token_never_below_zero() -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from residency import ledger
+from residency.policies.floor import Floor
 from residency.pool import route_room
+from residency.pool.autosize import Autosize
 from residency.pool.decide import ModelView
-from residency.pool.route_room import asked, room
-from residency.pool.snapshot import _load_s
+from residency.pool.route_room import asked, published, room, unloaded_s
+from residency.pool.snapshot import Read, _load_s
 from residency.settings import ModelSpec
 from residency.states import ModelState as S
 from tests.unit.test_decide import mv, snap
@@ -27,6 +29,7 @@ def test_a_cold_candidate_that_fits_without_eviction() -> None:
         "reason": "fits",
         "evict": [],
         "turn_left": {},
+        "unload_s": {},
         "load_s": None,
         "load_bytes": 300 * MB,
     }
@@ -80,6 +83,45 @@ def test_a_victim_in_its_turn_says_how_long_its_turn_has_left() -> None:
     later = snap(x, cold("y", 300), limit=-1, min_resident_s=10.0, workers={"box1": dev()},
                  now=NOW + 1)  # fmt: skip
     assert room(later, "y")["turn_left"] == {"x": 0.0}
+
+
+def test_each_victim_with_a_measured_unload_says_how_long_it_took() -> None:
+    models = [res("old", 100, last_used=NOW - 900), res("new", 100, last_used=NOW - 800)]
+    s = snap(*models, cold("y", 100), limit=2, workers={"box1": dev()})
+    # Only the victims' (never another model's), and only those that have one.
+    a = room(s, "y", None, {"old": 2.5, "new": 7.0, "y": 9.0, "gone": 1.0})
+    assert (a["evict"], a["unload_s"]) == (["old"], {"old": 2.5})
+    assert room(s, "y", None, {"new": 7.0})["unload_s"] == {}
+    assert room(s, "y")["unload_s"] == {}
+
+
+def test_unload_seconds_are_read_from_the_model_hashes() -> None:
+    hashes = {
+        "a": {"state": "unloaded", "unload_s": "1.250"},
+        "b": {"state": "ready"},  # never unloaded
+        "c": {"unload_s": "x"},  # damaged
+        "d": {"unload_s": "0.000"},
+    }
+    assert unloaded_s(hashes) == {"a": 1.25, "d": 0.0}
+
+
+def test_a_pass_publishes_the_victims_unload_seconds() -> None:
+    models = [res("old", 100, last_used=NOW - 900), cold("y", 100), cold("z", 50)]
+    s = snap(*models, limit=1, workers={"box1": dev()})
+    floor = Floor(2, {"auto": 2}, [], frozenset({"y", "z", "old"}))
+    rd = Read(
+        snap=s,
+        model_hashes={"old": {"state": "ready", "unload_s": "3.5"}, "z": {"unload_s": "0.5"}},
+        worker_hashes={},
+        autosize=Autosize(False, 1, floor, 1, True),
+    )
+    out = published(rd)
+    assert list(out["models"]) == ["y", "z"]
+    for name in ("y", "z"):
+        assert (out["models"][name]["evict"], out["models"][name]["unload_s"]) == (
+            ["old"],
+            {"old": 3.5},
+        )
 
 
 def test_measured_load_seconds_hold_for_the_device_kind_it_would_load_on() -> None:

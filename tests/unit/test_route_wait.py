@@ -25,12 +25,17 @@ from residency.route_wait import (
     choose,
     drain_s,
     estimated_load_s,
+    idle_s,
     predict,
-    prompt_tokens,
     slot_wait,
 )
 
 # --- Service: the model's measured pace, as its key stores it ---------------------------------
+
+
+#: A measured pace in the key's five fields: 2.5 s in a slot; 0.4 s to a first token over 200
+#: uncached bytes on average, with the square and the product a line's fit needs (all one size).
+FULL = Service(2.5, 0.4, 200.0, 40000.0, 80.0)
 
 
 @pytest.mark.parametrize(
@@ -39,24 +44,31 @@ from residency.route_wait import (
         (None, Service()),
         ("", Service()),
         (b"", Service()),
-        # The old format: the service time alone.
-        ("2.5", Service(2.5, None, None)),
-        (b"2.5", Service(2.5, None, None)),
-        ("2.5 0.4 200", Service(2.5, 0.4, 200.0)),
-        (b"2.5 0.4 200", Service(2.5, 0.4, 200.0)),
-        ("  2.5   0.4\t200 ", Service(2.5, 0.4, 200.0)),
-        ("2.5 0.4 200 9 9", Service(2.5, 0.4, 200.0)),  # a later field added: ignored
-        ("2.5 0.4", Service(2.5, 0.4, None)),
+        ("2.5 0.4 200 40000 80", FULL),
+        (b"2.5 0.4 200 40000 80", FULL),
+        ("  2.5   0.4\t200 40000\n80 ", FULL),
+        ("2.5 0.4 200 40000 80 9 9", FULL),  # a later field added: ignored
+        # Older records: the service time alone, or with a first-token time over *tokens*
+        # (another unit: read as bytes it would be a pace off by the bytes per token). Only
+        # the service time is kept; the fit starts over from the next request.
+        ("2.5", Service(2.5)),
+        (b"2.5", Service(2.5)),
+        ("2.5 0.4 200", Service(2.5)),
+        (b"2.5 0.4 200", Service(2.5)),
+        ("2.5 0.4", Service(2.5)),
+        ("2.5 0.4 200 40000", Service(2.5)),
+        ("abc 0.4 200", Service()),
         # Garbage, field by field.
         ("abc", Service()),
-        ("abc 0.4 200", Service(None, 0.4, 200.0)),
-        ("2.5 x 200", Service(2.5, None, 200.0)),
+        ("abc 0.4 200 40000 80", Service(None, 0.4, 200.0, 40000.0, 80.0)),
+        ("2.5 x 200 40000 80", Service(2.5, None, 200.0, 40000.0, 80.0)),
+        ("2.5 0.4 200 y 80", Service(2.5, 0.4, 200.0, None, 80.0)),
         # Negative, infinite or not a number: unknown, never a pace.
-        ("-1 -0.5 -3", Service()),
-        ("inf nan -inf", Service()),
-        ("1e400 0.4 200", Service(None, 0.4, 200.0)),
+        ("-1 -0.5 -3 -4 -5", Service()),
+        ("inf nan -inf inf nan", Service()),
+        ("1e400 0.4 200 40000 80", Service(None, 0.4, 200.0, 40000.0, 80.0)),
         ("nan", Service()),
-        ("0 0 0", Service(0.0, 0.0, 0.0)),
+        ("0 0 0 0 0", Service(0.0, 0.0, 0.0, 0.0, 0.0)),
     ],
 )
 def test_service_parse(raw: str | bytes | None, want: Service) -> None:
@@ -67,65 +79,135 @@ def test_service_parse(raw: str | bytes | None, want: Service) -> None:
     ("service", "text"),
     [
         (Service(), ""),
-        (Service(None, 0.4, 200), ""),  # no service time: nothing worth writing
+        (Service(None, 0.4, 200, 40000, 80), ""),  # no service time: nothing worth writing
         (Service(2.5), "2.5"),
-        (Service(2.5, 0.4, None), "2.5"),  # half the first-token pair is no pair
-        (Service(2.5, None, 200), "2.5"),
-        (Service(2.5, 0.4, 200), "2.5 0.4 200"),
-        (Service(1 / 3, 0.4, 200), "0.333333 0.4 200"),
+        # Any field of the fit missing is no fit: the service time alone.
+        (Service(2.5, 0.4, None, 40000, 80), "2.5"),
+        (Service(2.5, None, 200, 40000, 80), "2.5"),
+        (Service(2.5, 0.4, 200, None, 80), "2.5"),
+        (Service(2.5, 0.4, 200, 40000, None), "2.5"),
+        (FULL, "2.5 0.4 200 40000 80"),
+        (Service(1 / 3, 0.4, 200, 40000, 80), "0.333333 0.4 200 40000 80"),
     ],
 )
 def test_service_dumps(service: Service, text: str) -> None:
     assert service.dumps() == text
 
 
+def _maybe(lo: float, hi: float) -> st.SearchStrategy[float | None]:
+    return st.none() | st.floats(lo, hi, allow_nan=False)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
-    service_s=st.none() | st.floats(0, 1e6, allow_nan=False),
-    first_s=st.none() | st.floats(0, 1e6, allow_nan=False),
-    new_tokens=st.none() | st.integers(0, 100_000).map(float),
+    service_s=_maybe(0, 1e6),
+    first_s=_maybe(0, 1e6),
+    new_bytes=_maybe(0, 1e6),
+    bytes_sq=_maybe(0, 1e12),
+    bytes_first=_maybe(0, 1e12),
 )
 def test_service_dumps_parses_back(
-    service_s: float | None, first_s: float | None, new_tokens: float | None
+    service_s: float | None,
+    first_s: float | None,
+    new_bytes: float | None,
+    bytes_sq: float | None,
+    bytes_first: float | None,
 ) -> None:
-    # Six significant digits: what is written reads back to itself, and each known field to
-    # within that precision.
-    s = Service(service_s, first_s, new_tokens)
+    # What is written reads back to itself, and each known field to within its precision.
+    s = Service(service_s, first_s, new_bytes, bytes_sq, bytes_first)
     back = Service.parse(s.dumps())
     assert Service.parse(back.dumps()) == back
     if service_s is None:
         assert back == Service()
         return
     assert back.service_s == pytest.approx(service_s, rel=1e-5)
-    if first_s is None or new_tokens is None:
-        assert back.first_s is None and back.new_tokens is None
+    fit = (first_s, new_bytes, bytes_sq, bytes_first)
+    got = (back.first_s, back.new_bytes, back.bytes_sq, back.bytes_first)
+    if any(v is None for v in fit):
+        assert got == (None, None, None, None)
     else:
-        assert back.first_s == pytest.approx(first_s, rel=1e-5)
-        assert back.new_tokens == pytest.approx(new_tokens, rel=1e-5)
+        assert got == pytest.approx(fit, rel=1e-5)
 
 
-def test_prefill_scales_with_tokens() -> None:
-    s = Service(2.0, 1.0, 100.0)  # 10 ms a token
-    assert s.prefill_s(200) == pytest.approx(2.0)
-    assert s.prefill_s(100) == pytest.approx(1.0)
-    assert s.prefill_s(1) == pytest.approx(0.01)
-    # A prompt all cached still evaluates one token: at least one token's share.
-    assert s.prefill_s(0) == pytest.approx(0.01)
+def _measured(*requests: tuple[float, float]) -> Service:
+    """The pace of equally weighted requests, each (uncached bytes, seconds to a first token):
+    the averages a model process keeps (``workers.timings.fold_service``), here exact."""
+    n = len(requests)
+    return Service(
+        1.0,
+        sum(y for _, y in requests) / n,
+        sum(x for x, _ in requests) / n,
+        sum(x * x for x, _ in requests) / n,
+        sum(x * y for x, y in requests) / n,
+    )
+
+
+def test_prefill_is_the_line_through_requests_of_two_sizes() -> None:
+    # 0.2 s whatever the size (the first decode step, the process's overhead), then 1 ms a
+    # byte: measured on prompts of 1,000 and 3,000 bytes, predicted for others on the line.
+    def first(x: float) -> float:
+        return 0.2 + 0.001 * x
+
+    s = _measured((1000, first(1000)), (3000, first(3000)), (1000, first(1000)))
+    for size in (0, 500, 1000, 2000, 3000, 10_000):
+        assert s.prefill_s(size) == pytest.approx(first(size))
+
+
+def test_prefill_of_requests_all_of_one_size_goes_through_zero() -> None:
+    # Nothing tells the fixed part from the per-byte part: the average pace, from nothing at 0.
+    s = _measured((2000, 0.5), (2000, 0.5))
+    assert s.prefill_s(2000) == pytest.approx(0.5)
+    assert s.prefill_s(4000) == pytest.approx(1.0)
+    assert s.prefill_s(500) == pytest.approx(0.125)
+    assert s.prefill_s(0) == 0.0
+    # Sizes a byte apart are one size (their spread says nothing of a slope).
+    assert _measured((2000, 0.5), (2001, 0.9)).prefill_s(4000) == pytest.approx(4000 * 0.7 / 2000.5)
+
+
+def test_prefill_line_never_has_a_negative_intercept_or_slope() -> None:
+    # Larger prompts far slower than the smaller ones' pace: the line would cross zero above
+    # 0 bytes; the fixed part is none, the slope kept.
+    steep = _measured((1000, 0.1), (2000, 0.5))
+    assert steep.prefill_s(0) == 0.0
+    assert steep.prefill_s(3000) == pytest.approx(3000 * 0.0004)
+    # Larger prompts faster (noise, another load on the host): no slope, their average time.
+    falling = _measured((1000, 0.5), (2000, 0.1))
+    assert falling.prefill_s(0) == pytest.approx(0.3)
+    assert falling.prefill_s(50_000) == pytest.approx(0.3)
 
 
 def test_prefill_unknown_or_degenerate_measure() -> None:
     assert Service(2.0).prefill_s(500) == 0.0  # not measured: not counted
-    assert Service(2.0, None, 100.0).prefill_s(500) == 0.0
-    # A measure over no (or under one) new token is taken as one token's time.
-    assert Service(2.0, 0.3, 0.0).prefill_s(2) == pytest.approx(0.6)
-    assert Service(2.0, 0.3, 0.5).prefill_s(2) == pytest.approx(0.6)
+    assert Service(2.0, 0.3, 100.0, None, 30.0).prefill_s(500) == 0.0
+    assert Service(2.0, None, 100.0, 10000.0, 30.0).prefill_s(500) == 0.0
+    # Every measured prompt was cached whole: no pace per byte was ever seen.
+    assert Service(2.0, 0.3, 0.0, 0.0, 0.0).prefill_s(500) == 0.0
+    # A negative size (never asked for) is no size.
+    assert _measured((2000, 0.5), (2000, 0.5)).prefill_s(-10) == 0.0
 
 
-def test_prompt_tokens() -> None:
-    assert prompt_tokens(0) == 1
-    assert prompt_tokens(4) == 1
-    assert prompt_tokens(5) == 2
-    assert prompt_tokens(4000) == 1000
+@settings(max_examples=300, deadline=None)
+@given(
+    first_s=_maybe(0, 100.0),
+    new_bytes=_maybe(0, 1e6),
+    bytes_sq=_maybe(0, 1e12),
+    bytes_first=_maybe(0, 1e8),
+    a=st.integers(0, 10**6),
+    b=st.integers(0, 10**6),
+)
+def test_prefill_is_never_negative_and_never_shorter_for_a_longer_prompt(
+    first_s: float | None,
+    new_bytes: float | None,
+    bytes_sq: float | None,
+    bytes_first: float | None,
+    a: int,
+    b: int,
+) -> None:
+    # Any record, even one no requests could give (a damaged or hand-written key).
+    s = Service(1.0, first_s, new_bytes, bytes_sq, bytes_first)
+    lo, hi = sorted((a, b))
+    assert 0.0 <= s.prefill_s(0) <= s.prefill_s(lo) <= s.prefill_s(hi)
+    assert math.isfinite(s.prefill_s(hi))
 
 
 # --- The terms -----------------------------------------------------------------------------------
@@ -174,6 +256,36 @@ def test_drain_capped_by_max_busy() -> None:
     assert drain_s(o, 20.0) == pytest.approx(10.0)  # done before the cap
     # Without a queue the cap never lengthens it.
     assert drain_s(Occupant("a", in_flight=1, service_s=4.0), 0.5) == pytest.approx(2.0)
+
+
+def test_drain_adds_the_victims_measured_unload() -> None:
+    # Idle: gone once its last unload's time has passed; in its turn: the turn, then that.
+    assert drain_s(Occupant("a", unload_s=1.5), 0.0) == pytest.approx(1.5)
+    assert idle_s(Occupant("a", unload_s=1.5), 0.0) == 0.0
+    assert drain_s(Occupant("a", turn_left_s=3.0, unload_s=1.5), 0.0) == pytest.approx(4.5)
+    # Busy: what it runs (half of 4 s), then the unload; capped or not, the unload comes after.
+    busy = Occupant("a", in_flight=1, queued=2, service_s=4.0, unload_s=1.5)
+    assert drain_s(busy, 0.0) == pytest.approx(10.0 + 1.5)
+    assert drain_s(busy, 5.0) == pytest.approx(7.0 + 1.5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    o=st.builds(
+        Occupant,
+        name=st.just("x"),
+        in_flight=st.integers(0, 4),
+        queued=st.integers(0, 5),
+        parallel=st.integers(1, 4),
+        service_s=st.none() | st.floats(0.01, 60.0),
+        turn_left_s=st.floats(0.0, 30.0),
+        unload_s=st.floats(0.0, 30.0),
+    ),
+    max_busy=st.sampled_from([0.0, 5.0]) | st.floats(0.0, 120.0),
+)
+def test_drain_is_idle_then_unload(o: Occupant, max_busy: float) -> None:
+    assert drain_s(o, max_busy) == pytest.approx(idle_s(o, max_busy) + o.unload_s)
+    assert idle_s(o, max_busy) == idle_s(replace(o, unload_s=0.0), max_busy)
 
 
 def test_estimated_load() -> None:
@@ -244,6 +356,23 @@ def test_cold_room_is_the_slowest_victim_not_the_sum() -> None:
     assert predict(replace(v, max_busy_s=5.0), 10).room_s == pytest.approx(7.0)
 
 
+def test_cold_room_of_idle_victims_is_their_unload() -> None:
+    # Both idle: no wait for their work, but each takes its unload; the slowest one counts.
+    v = View(
+        "c",
+        state="cold",
+        load_s=10.0,
+        victims=(Occupant("x", unload_s=0.5), Occupant("y", turn_left_s=1.0, unload_s=2.0)),
+    )
+    p = predict(v, 10, evict_penalty_s=5.0)
+    assert (p.room_s, p.wait_s) == (pytest.approx(3.0), pytest.approx(13.0))
+    assert p.penalty_s == 5.0  # y is in its turn
+    # The unload counts in the room only: no penalty for an idle victim that takes long.
+    slow = replace(v, victims=(Occupant("x", unload_s=8.0),))
+    p = predict(slow, 10, evict_penalty_s=5.0)
+    assert (p.room_s, p.penalty_s) == (8.0, 0.0)
+
+
 def test_cold_penalty_only_when_a_victim_is_in_use() -> None:
     idle = View("c", state="cold", load_s=10.0, victims=(Occupant("x"), Occupant("y")))
     p = predict(idle, 10, evict_penalty_s=5.0)
@@ -296,13 +425,17 @@ def test_loading_makes_no_room_and_pays_no_penalty() -> None:
     assert (p.room_s, p.penalty_s, p.evicts) == (0.0, 0.0, ())
 
 
-def test_cached_tokens_lower_prefill() -> None:
-    v = View("a", service=Service(2.0, 1.0, 100.0))  # 10 ms a token
+def test_cached_bytes_lower_prefill() -> None:
+    v = View("a", service=_measured((100, 1.0)))  # 10 ms a byte
     assert predict(v, 500).prefill_s == pytest.approx(5.0)
-    assert predict(replace(v, cached_tokens=400), 500).prefill_s == pytest.approx(1.0)
-    # All of it cached: one token's share, never a negative count.
-    assert predict(replace(v, cached_tokens=1000), 500).prefill_s == pytest.approx(0.01)
-    assert predict(replace(v, cached_tokens=400), 500).wait_s == pytest.approx(1.0)
+    assert predict(replace(v, cached_bytes=400), 500).prefill_s == pytest.approx(1.0)
+    # All of it cached (even more than this prompt): nothing to prefill, never a negative size.
+    assert predict(replace(v, cached_bytes=1000), 500).prefill_s == 0.0
+    assert predict(replace(v, cached_bytes=400), 500).wait_s == pytest.approx(1.0)
+    # On a line with a fixed part, the fixed part stays however much is cached.
+    line = replace(v, service=_measured((1000, 0.2 + 1.0), (3000, 0.2 + 3.0)))
+    assert predict(replace(line, cached_bytes=1500), 2000).prefill_s == pytest.approx(0.7)
+    assert predict(replace(line, cached_bytes=2000), 2000).prefill_s == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize(
@@ -339,11 +472,20 @@ def _floats(lo: float, hi: float) -> st.SearchStrategy[float]:
 
 
 # A few fixed values among the drawn ones so that equal predictions (ties) come up often.
-_services = st.sampled_from([Service(), Service(2.0), Service(4.0, 1.0, 100.0)]) | st.builds(
+_services = st.sampled_from(
+    [
+        Service(),
+        Service(2.0),
+        Service(4.0, 1.0, 100.0, 10000.0, 100.0),  # through zero: 10 ms a byte
+        Service(4.0, 0.6, 2000.0, 5e6, 1400.0),  # a line: 0.2 s, then 0.2 ms a byte
+    ]
+) | st.builds(
     Service,
     st.none() | _floats(0.01, 60.0),
     st.none() | _floats(0.0, 10.0),
-    st.none() | _floats(0.0, 4000.0),
+    st.none() | _floats(0.0, 40_000.0),
+    st.none() | _floats(0.0, 2e9),
+    st.none() | _floats(0.0, 4e5),
 )
 
 _occupants = st.builds(
@@ -354,6 +496,7 @@ _occupants = st.builds(
     parallel=st.integers(1, 4),
     service_s=st.none() | _floats(0.01, 60.0),
     turn_left_s=st.sampled_from([0.0, 0.0, 3.0]) | _floats(0.0, 30.0),
+    unload_s=st.sampled_from([0.0, 0.0, 2.0]) | _floats(0.0, 30.0),
 )
 
 _views = st.builds(
@@ -371,7 +514,7 @@ _views = st.builds(
     loading_for_s=st.sampled_from([0.0]) | _floats(0.0, 400.0),
     victims=st.lists(_occupants, max_size=3).map(tuple),
     max_busy_s=st.sampled_from([0.0, 0.0, 5.0]) | _floats(0.0, 120.0),
-    cached_tokens=st.sampled_from([0, 0, 100]) | st.integers(0, 5000),
+    cached_bytes=st.sampled_from([0, 0, 100]) | st.integers(0, 40_000),
 )
 
 
@@ -398,7 +541,7 @@ def _pools_with_remotes(draw: st.DrawFn) -> list[View]:
     return [replace(v, name=f"m{i}") for i, v in enumerate(pool)]
 
 
-_tokens = st.integers(1, 4000)
+_sizes = st.integers(0, 40_000)
 _penalties = st.sampled_from([0.0, 30.0]) | _floats(0.0, 200.0)
 _max_waits = st.sampled_from([0.0, 0.0, 10.0]) | _floats(0.0, 400.0)
 
@@ -416,24 +559,24 @@ def _by_name(c: Choice) -> dict[str, Prediction]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(pool=_pools(), tokens=_tokens, penalty=_penalties, max_wait=_max_waits)
+@given(pool=_pools(), size=_sizes, penalty=_penalties, max_wait=_max_waits)
 def test_first_takes_the_first_listed_whatever_the_predictions(
-    pool: list[View], tokens: int, penalty: float, max_wait: float
+    pool: list[View], size: int, penalty: float, max_wait: float
 ) -> None:
-    c = choose("first", pool, tokens, evict_penalty_s=penalty, max_wait_s=max_wait)
+    c = choose("first", pool, size, evict_penalty_s=penalty, max_wait_s=max_wait)
     assert (c.candidate, c.reason) == (pool[0].name, "first")
     # The predictions are still made, for the trace and the error measure.
-    assert c.predictions == tuple(predict(v, tokens, penalty) for v in pool)
+    assert c.predictions == tuple(predict(v, size, penalty) for v in pool)
 
 
 @settings(max_examples=200, deadline=None)
-@given(pool=_pools(), tokens=_tokens, penalty=_penalties, max_wait=_max_waits)
+@given(pool=_pools(), size=_sizes, penalty=_penalties, max_wait=_max_waits)
 def test_fastest_chosen_is_listed_and_usable(
-    pool: list[View], tokens: int, penalty: float, max_wait: float
+    pool: list[View], size: int, penalty: float, max_wait: float
 ) -> None:
-    c = choose("fastest", pool, tokens, evict_penalty_s=penalty, max_wait_s=max_wait)
+    c = choose("fastest", pool, size, evict_penalty_s=penalty, max_wait_s=max_wait)
     assert c.candidate in [v.name for v in pool]
-    assert c.predictions == tuple(predict(v, tokens, penalty) for v in pool)
+    assert c.predictions == tuple(predict(v, size, penalty) for v in pool)
     usable = _usable_local(pool) + _usable_remote(pool)
     if not usable:
         assert (c.candidate, c.reason) == (pool[0].name, "none_usable")
@@ -443,11 +586,11 @@ def test_fastest_chosen_is_listed_and_usable(
 
 
 @settings(max_examples=200, deadline=None)
-@given(pool=_pools(), tokens=_tokens, penalty=_penalties, max_wait=_max_waits)
+@given(pool=_pools(), size=_sizes, penalty=_penalties, max_wait=_max_waits)
 def test_fastest_never_waits_more_than_the_penalty_over_another_local(
-    pool: list[View], tokens: int, penalty: float, max_wait: float
+    pool: list[View], size: int, penalty: float, max_wait: float
 ) -> None:
-    c = choose("fastest", pool, tokens, evict_penalty_s=penalty, max_wait_s=max_wait)
+    c = choose("fastest", pool, size, evict_penalty_s=penalty, max_wait_s=max_wait)
     local = _usable_local(pool)
     preds = _by_name(c)
     if c.candidate not in {v.name for v in local}:
@@ -461,11 +604,11 @@ def test_fastest_never_waits_more_than_the_penalty_over_another_local(
 
 
 @settings(max_examples=200, deadline=None)
-@given(pool=_pools(), tokens=_tokens, penalty=_penalties, max_wait=_max_waits)
+@given(pool=_pools(), size=_sizes, penalty=_penalties, max_wait=_max_waits)
 def test_fastest_ties_go_to_the_earlier_listed(
-    pool: list[View], tokens: int, penalty: float, max_wait: float
+    pool: list[View], size: int, penalty: float, max_wait: float
 ) -> None:
-    c = choose("fastest", pool, tokens, evict_penalty_s=penalty, max_wait_s=max_wait)
+    c = choose("fastest", pool, size, evict_penalty_s=penalty, max_wait_s=max_wait)
     local = _usable_local(pool)
     preds = _by_name(c)
     if c.candidate not in {v.name for v in local}:
@@ -483,14 +626,14 @@ def test_fastest_ties_go_to_the_earlier_listed(
 @settings(max_examples=200, deadline=None)
 @given(
     pool=_pools_with_remotes(),
-    tokens=_tokens,
+    size=_sizes,
     penalty=_penalties,
     max_wait=st.sampled_from([0.001, 1.0]) | _max_waits,
 )
 def test_fastest_past_max_wait_goes_remote(
-    pool: list[View], tokens: int, penalty: float, max_wait: float
+    pool: list[View], size: int, penalty: float, max_wait: float
 ) -> None:
-    c = choose("fastest", pool, tokens, evict_penalty_s=penalty, max_wait_s=max_wait)
+    c = choose("fastest", pool, size, evict_penalty_s=penalty, max_wait_s=max_wait)
     local, remote = _usable_local(pool), _usable_remote(pool)
     if not local:
         return
@@ -510,22 +653,22 @@ def test_fastest_past_max_wait_goes_remote(
 
 
 @settings(max_examples=200, deadline=None)
-@given(pool=_pools(), tokens=_tokens, penalty=_penalties, max_wait=_max_waits)
+@given(pool=_pools(), size=_sizes, penalty=_penalties, max_wait=_max_waits)
 def test_fastest_is_deterministic(
-    pool: list[View], tokens: int, penalty: float, max_wait: float
+    pool: list[View], size: int, penalty: float, max_wait: float
 ) -> None:
-    c = choose("fastest", pool, tokens, evict_penalty_s=penalty, max_wait_s=max_wait)
+    c = choose("fastest", pool, size, evict_penalty_s=penalty, max_wait_s=max_wait)
     again = choose(
-        "fastest", copy.deepcopy(pool), tokens, evict_penalty_s=penalty, max_wait_s=max_wait
+        "fastest", copy.deepcopy(pool), size, evict_penalty_s=penalty, max_wait_s=max_wait
     )
     assert again == c
-    assert choose("fastest", tuple(pool), tokens, evict_penalty_s=penalty, max_wait_s=max_wait) == c
+    assert choose("fastest", tuple(pool), size, evict_penalty_s=penalty, max_wait_s=max_wait) == c
 
 
 @settings(max_examples=200, deadline=None)
-@given(view=_views, tokens=_tokens, penalty=_penalties)
-def test_prediction_is_its_terms(view: View, tokens: int, penalty: float) -> None:
-    p = predict(view, tokens, penalty)
+@given(view=_views, size=_sizes, penalty=_penalties)
+def test_prediction_is_its_terms(view: View, size: int, penalty: float) -> None:
+    p = predict(view, size, penalty)
     if p.wait_s is None:
         return
     assert p.wait_s >= 0 and min(p.queue_s, p.load_s, p.room_s, p.prefill_s) >= 0
@@ -536,7 +679,7 @@ def test_prediction_is_its_terms(view: View, tokens: int, penalty: float) -> Non
         assert p.load_s >= whole * LOADING_LEFT_MIN
         assert p.load_s <= whole
     # One more request ahead never shortens the wait.
-    later = predict(replace(view, ahead=view.ahead + 1), tokens, penalty).wait_s
+    later = predict(replace(view, ahead=view.ahead + 1), size, penalty).wait_s
     assert later is not None and later >= p.wait_s
 
 
@@ -547,7 +690,8 @@ def test_choose_refuses_an_empty_list() -> None:
 
 # --- Scenarios -----------------------------------------------------------------------------------
 
-SERVICE = Service(3.0, 0.5, 100.0)
+SERVICE = Service(3.0, 0.5, 100.0, 10000.0, 50.0)  # 0.5 s to a first token over 100 bytes
+SLOW = replace(SERVICE, service_s=30.0)
 
 
 def _resident(**kw: object) -> View:
@@ -567,7 +711,7 @@ def test_resident_idle_beats_cold() -> None:
 
 
 def test_saturated_resident_loses_to_a_cold_one_that_fits() -> None:
-    slow = _resident(in_flight=1, ahead=10, service=Service(30.0, 0.5, 100.0))
+    slow = _resident(in_flight=1, ahead=10, service=SLOW)
     c = choose("fastest", [slow, _cold()], 100)
     assert (c.candidate, c.reason) == ("cold", "fastest")
     pr = _by_name(c)
@@ -576,7 +720,7 @@ def test_saturated_resident_loses_to_a_cold_one_that_fits() -> None:
 
 
 def test_evicting_a_busy_model_pays_the_penalty() -> None:
-    slow = _resident(in_flight=1, ahead=10, service=Service(30.0, 0.5, 100.0))  # ~315 s
+    slow = _resident(in_flight=1, ahead=10, service=SLOW)  # ~315 s
     cold = _cold(victims=(Occupant("busy", in_flight=1, service_s=10.0),))  # 20 + 5 + 0.5
     c = choose("fastest", [slow, cold], 100, evict_penalty_s=400.0)
     assert c.candidate == "resident"
@@ -590,7 +734,7 @@ def test_evicting_a_busy_model_pays_the_penalty() -> None:
 
 
 def test_both_over_max_wait_go_to_the_listed_remote() -> None:
-    slow = _resident(in_flight=1, ahead=10, service=Service(30.0, 0.5, 100.0))
+    slow = _resident(in_flight=1, ahead=10, service=SLOW)
     cold = _cold(victims=(Occupant("busy", in_flight=1, service_s=10.0),))
     api, api2 = View("api", remote=True), View("api2", remote=True)
     c = choose("fastest", [slow, cold, api, api2], 100, max_wait_s=10.0)
