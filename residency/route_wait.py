@@ -44,6 +44,8 @@ DEFAULT_SERVICE_S = 2.0
 #: pace of reading them, when no load of the model's spec was measured.
 LOAD_BASE_S = 1.0
 LOAD_BYTES_PER_S = 1.0e9
+#: The prefill line's slope is at most this many times the average pace through zero.
+SLOPE_CAP = 2.0
 #: A load under way is taken to need at least this share of its time more (it is late).
 LOADING_LEFT_MIN = 0.1
 
@@ -99,12 +101,17 @@ class Service:
         y, x, xx, xy = self.first_s, self.new_bytes, self.bytes_sq, self.bytes_first
         if y is None or x is None or xx is None or xy is None:
             return 0.0
+        through_zero = y / x if x > 0 else 0.0
         var = xx - x * x
         if var > max(1.0, 1e-6 * xx):
-            slope = max(0.0, (xy - x * y) / var)
+            # A line with a fixed part >= 0 has a slope of at most the average pace through
+            # zero; a prefill that grows faster than linearly (attention) somewhat more. Moving
+            # averages of a shifting mix can make the fitted slope far steeper (measured: 4 s
+            # predicted for a 30 ms first token), so it is held to twice that pace.
+            slope = min(SLOPE_CAP * through_zero, max(0.0, (xy - x * y) / var))
             base = max(0.0, y - slope * x)
         else:
-            slope, base = (y / x if x > 0 else 0.0), 0.0
+            slope, base = through_zero, 0.0
         return base + slope * max(0, new_bytes)
 
 

@@ -195,6 +195,18 @@ def test_an_expired_place_in_flight_is_taken_back(r: redis.Redis) -> None:
     assert r.zrange(keys.quota_concurrent("user", "user:ann"), 0, -1) == [ticket.id]
 
 
+def test_a_concurrent_refusal_says_to_retry_after_one_service_time(r: redis.Redis) -> None:
+    """The hint is the model's service time, the first field of its pace record (the router's
+    fields follow it)."""
+    s = Scripts(r)
+    p = user("ann", concurrent=1)
+    assert quota.admit(r, s, p, "a", hold_s=60) is not None
+    r.set(keys.service("a"), "7.5 0.1 100 10000 10")
+    with pytest.raises(ApiError) as e:
+        quota.admit(r, s, p, "a", hold_s=60)
+    assert e.value.retry_after == 8
+
+
 def test_no_quotas_cost_nothing(r: redis.Redis) -> None:
     from residency.auth import ANONYMOUS
 

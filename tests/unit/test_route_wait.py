@@ -763,3 +763,15 @@ def test_only_and_none_usable() -> None:
     c = choose("fastest", [excluded, View("api", remote=True)], 100)
     assert (c.candidate, c.reason) == ("api", "only")
     assert c.chosen() == Prediction("api", None)
+
+
+def test_a_wild_fitted_slope_is_held_to_twice_the_pace_through_zero() -> None:
+    """Moving averages of a shifting mix (the bench: prompts cached whole, then not) can leave
+    a tiny variance beside a large covariance; the line's slope then must not explode."""
+    from residency.route_wait import SLOPE_CAP
+
+    # Averages no set of requests gives together: x = 500, x^2 barely above x^2, x*y large.
+    wild = Service(1.0, 0.03, 500.0, 500.0 * 500.0 + 2.0, 500.0 * 0.03 + 5.0)
+    through_zero = 0.03 / 500.0
+    assert wild.prefill_s(1500) <= SLOPE_CAP * through_zero * 1500 + 1e-9
+    assert wild.prefill_s(1500) < 0.2
