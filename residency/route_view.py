@@ -43,6 +43,11 @@ FIELDS = (
 )
 
 
+#: What the pool answers (``residency.pool.fit``'s reasons) for a cold model whose request would
+#: be refused or fail now, not served later: it is left out of a ``fastest`` choice.
+NEVER_NOW = frozenset({"too_large", "memory_pinned", "slots_pinned", "backoff", "no_worker"})
+
+
 @dataclass(frozen=True)
 class Row:
     """One model's live numbers."""
@@ -185,8 +190,12 @@ def view(
             **common,
         )
     if isinstance(entry, dict) and not entry.get("fits", True):
-        # The pool's own answer: too large for any device, failing its loads, no worker.
-        return View(name, state="unavailable", excluded=str(entry.get("reason") or "no room"))
+        reason = str(entry.get("reason") or "no room")
+        if reason in NEVER_NOW:
+            # The pool's own answer: its request would be refused or fail.
+            return View(name, state="unavailable", excluded=reason)
+        # Otherwise the room is on its way (a slot or bytes draining, an eviction under way):
+        # predicted as a cold load.
     turn_left = entry.get("turn_left") if isinstance(entry, dict) else None
     unload = entry.get("unload_s") if isinstance(entry, dict) else None
     occupants = []

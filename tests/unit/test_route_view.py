@@ -162,3 +162,15 @@ def test_the_prefix_record_is_the_callers_own(r: redis.Redis) -> None:
                slot_cache=False, **common)  # fmt: skip
     assert alice.views[0].cached_bytes == 4000
     assert bob.views[0].cached_bytes == 0
+
+
+def test_room_on_its_way_is_a_cold_load_not_unavailable() -> None:
+    """The pool may answer that the room is not there yet (a slot or bytes draining): the
+    candidate is predicted as a cold load, never left out (only a refusal or a failure is)."""
+    room = {"models": {"x": {"fits": False, "reason": "slot_draining", "evict": []}}}
+    v = view("x", SPEC, Row(), room, {}, now=0.0, caller=Caller(), cached=0)
+    assert v.state == "cold" and v.excluded == ""
+    for reason in ("too_large", "memory_pinned", "slots_pinned", "backoff", "no_worker"):
+        room = {"models": {"x": {"fits": False, "reason": reason, "evict": []}}}
+        v = view("x", SPEC, Row(), room, {}, now=0.0, caller=Caller(), cached=0)
+        assert v.state == "unavailable" and v.excluded == reason
