@@ -161,6 +161,14 @@ def test_dashboard_shows_the_pool_and_edits_the_config(browser: Any, up: Up) -> 
     chat = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     resp = requests.post(up.url + "/v1/chat/completions", json=chat, timeout=60)
     assert resp.status_code == 200, resp.text
+    # A policy choosing among a (resident) and b (cold, listed first): it takes a.
+    policy = {"candidates": ["a", "b"], "default": ["b", "a"], "choose": "fastest"}
+    resp = requests.put(up.url + "/admin/policies/auto", json=policy, headers=up.admin, timeout=30)
+    assert resp.status_code == 201, resp.text
+    routed = {**chat, "model": "auto"}
+    resp = requests.post(up.url + "/v1/chat/completions", json=routed, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-residency-route"].startswith("auto:default:a; fastest; ")
 
     drv.get(up.url + "/admin/ui")
     # A wrong key is refused and not kept.
@@ -189,8 +197,13 @@ def test_dashboard_shows_the_pool_and_edits_the_config(browser: Any, up: Up) -> 
         assert usage.status_code == 200, usage.text
         [day] = [d for d, t in usage.json()["days"].items() if t["requests"]]
         bar = f'#usage-chart g[data-day="{day}"] title'
-        wait_for(lambda: "requests 1," in _text(drv, bar), "the usage bar")
+        wait_for(lambda: "requests 2," in _text(drv, bar), "the usage bar")  # a, then auto
     wait_for(lambda: _text(drv, '#loads tr[data-model="a"] [data-field="ok"]') == "1", "a load")
+    # The policy's choices and its measured predictions (the coordinator sums them every 10 s).
+    row = '#routing tr[data-policy="auto"]'
+    wait_for(lambda: _text(drv, f'{row} [data-field="choices"]') == "a 1", "the routing row")
+    assert _text(drv, f'{row} [data-field="samples"]') == "1"
+    assert _text(drv, f'{row} [data-field="error"]').endswith(" s)")
 
     # Change the limit in the form and save.
     field = drv.find_element(By.ID, "setting-pool.max_loaded_models")

@@ -164,6 +164,22 @@
     $("models").tBodies[0].replaceChildren(...h.models.map((m) => modelRow(m, memory)));
     renderLimits(h);
     renderPulls(h.pulls || []);
+    renderRouting(h.routing || {});
+  }
+
+  function renderRouting(routing) {
+    $("routing").tBodies[0].replaceChildren(...Object.entries(routing).map(([name, p]) => {
+      const choices = Object.entries(p.choices || {}).map(([c, n]) => `${c} ${n}`).join(", ");
+      const e = p.error;
+      const error = e ? `${Math.round(e.median_rel * 100)}% (${e.median_abs_s.toFixed(3)} s)` : "—";
+      const off = p.off ? `${p.off.term} (${Math.round(p.off.median_rel * 100)}%)` : "—";
+      return el("tr", { "data-policy": name },
+        el("th", { scope: "row", text: name }),
+        el("td", { "data-field": "choices", text: choices || "—" }),
+        el("td", { "data-field": "samples", text: String(p.samples || 0) }),
+        el("td", { "data-field": "error", text: error }),
+        el("td", { "data-field": "off", text: off }));
+    }));
   }
 
   function renderPulls(pulls) {
