@@ -22,10 +22,9 @@ from typing import Any
 
 from flask import Response, g, make_response, request
 
-from residency import errors, keys, vision
+from residency import errors, vision
 from residency.errors import ApiError
 from residency.messages import Kind
-from residency.policy_store import PolicyEntry
 from residency.registry import Entry
 from residency.settings import ModelSpec
 from web import (
@@ -140,8 +139,10 @@ def resolve(
     if policy is not None and kind not in _SERVED_BY:  # policies route llm requests only
         if not caller.may_use_policy(model):
             raise not_allowed(model)
+        # The candidates' entries, read once: the reservation's cap and the router's choice.
+        candidates = st.entries([str(c) for c in policy.spec.get("candidates", [])])
         if v is not None:
-            admit(st, view, model, kind, v, cap=policy_cap(st, policy), may_load=False)
+            admit(st, view, model, kind, v, cap=policy_cap(candidates), may_load=False)
         routed = routing.route(
             st,
             view.settings,
@@ -150,6 +151,7 @@ def resolve(
             body,
             caller=caller,
             deadline_at=g.get("deadline_at", 0.0),
+            candidates=candidates,
         )
         decision = routed.decision
         _view, entry, _ = st.lookup(decision.candidate)
@@ -201,14 +203,10 @@ def resolve(
     return Target(entry, view, show_loading=entry.spec.show_loading)
 
 
-def policy_cap(st: State, policy: PolicyEntry) -> int:
+def policy_cap(candidates: Mapping[str, Entry]) -> int:
     """The largest token cap among a policy's registered candidates: what a request that names
     no ``max_tokens`` reserves before it is routed."""
-    names = [str(c) for c in policy.spec.get("candidates", [])]
-    raws = st.r.hmget(keys.registry(), names) if names else []
-    caps = [
-        Entry.loads(n, str(raw)).spec.token_cap for n, raw in zip(names, raws, strict=True) if raw
-    ]
+    caps = [e.spec.token_cap for e in candidates.values()]
     return max(caps, default=int(ModelSpec.model_fields["n_ctx"].default))
 
 

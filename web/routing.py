@@ -22,12 +22,13 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from residency import keys, policies, prompt_size, registry, route_view, route_wait
+from residency import keys, policies, prompt_size, route_view, route_wait
 from residency.auth import ANONYMOUS, Principal
 from residency.errors import ApiError
 from residency.messages import Kind
 from residency.policy_store import PolicyEntry
-from residency.settings import ModelSpec, Settings
+from residency.registry import Entry
+from residency.settings import Settings
 from web import bus
 from web.state import State
 
@@ -56,10 +57,14 @@ CHOICES = Counter(
 @dataclass(frozen=True)
 class Routed:
     """A routed request: the policy's decision (its ``candidate`` the one chosen among those
-    listed) and how the choice was made (None when nothing local was listed to predict)."""
+    listed), how the choice was made (None when nothing local was listed to predict), and what
+    the choice measured of the request (its conversation digest and prompt bytes), which
+    ``record`` keeps."""
 
     decision: policies.Decision
     choice: route_wait.Choice | None = None
+    digest: str | None = None
+    prompt_bytes: int = 0
 
     @property
     def prediction(self) -> route_wait.Prediction | None:
@@ -164,15 +169,6 @@ def conversation_digest(body: Mapping[str, Any]) -> str | None:
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
-def listed_specs(st: State, names: tuple[str, ...]) -> list[tuple[str, ModelSpec | None]]:
-    """Each listed candidate's spec (None when it is not registered), in one round trip."""
-    raws = st.r.hmget(keys.registry(), list(names))
-    return [
-        (n, registry.Entry.loads(n, str(raw)).spec if raw else None)
-        for n, raw in zip(names, raws, strict=True)
-    ]
-
-
 def choose(
     st: State,
     s: Settings,
@@ -182,14 +178,19 @@ def choose(
     body: Mapping[str, Any],
     *,
     caller: Principal,
+    candidates: Mapping[str, Entry] | None = None,
 ) -> Routed:
     """Pick among the decision's listed candidates by the policy's ``choose``, predicting each
-    local one's wait from one read of the pool (``residency.route_view``)."""
+    local one's wait from one read of the pool (``residency.route_view``). ``candidates``: the
+    policy's registry entries when the caller read them already (else they are read here)."""
     listed = decision.listed or (decision.candidate,)
-    specs = listed_specs(st, listed)
-    if not any(spec is not None and not spec.remote for _, spec in specs):
-        return Routed(decision)  # a remote or an unregistered candidate: nothing to predict
+    if candidates is None:
+        candidates = st.entries(list(listed))
+    specs = [(n, e.spec if (e := candidates.get(n)) else None) for n in listed]
     digest = conversation_digest(body)
+    if not any(spec is not None and not spec.remote for _, spec in specs):
+        # A remote or an unregistered candidate: nothing to predict.
+        return Routed(decision, digest=digest)
     size = prompt_size.prompt_bytes(body)
     read = route_view.read(
         st.scripts,
@@ -216,17 +217,11 @@ def choose(
         "reason": choice.reason,
         "predictions": [p.trace() for p in choice.predictions],
     }
-    return Routed(replace(decision, candidate=choice.candidate, trace=trace), choice)
+    chosen = replace(decision, candidate=choice.candidate, trace=trace)
+    return Routed(chosen, choice, digest=digest, prompt_bytes=size)
 
 
-def record(
-    st: State,
-    policy: str,
-    routed: Routed,
-    body: Mapping[str, Any],
-    *,
-    subject: str = keys.ANONYMOUS,
-) -> None:
+def record(st: State, policy: str, routed: Routed, *, subject: str = keys.ANONYMOUS) -> None:
     """Count the decision, and remember who served this conversation: the switch counter, the
     policy's choices, and the prefix the chosen candidate now holds for this caller. One round
     trip."""
@@ -235,7 +230,7 @@ def record(
     reason = routed.choice.reason if routed.choice is not None else "first"
     CHOICES.labels(policy, decision.candidate, reason).inc()
     now = time.time()
-    digest = conversation_digest(body)
+    digest = routed.digest
     pipe = st.r.pipeline(transaction=False)
     field = f"{int(now // 60)}|{decision.candidate}|{reason}"
     pipe.hincrby(keys.route_choices(policy), field, 1)
@@ -247,7 +242,7 @@ def record(
         if routed.choice is not None:
             pipe.set(
                 keys.route_prefix(subject, digest),
-                json.dumps({decision.candidate: [now, prompt_size.prompt_bytes(body)]}),
+                json.dumps({decision.candidate: [now, routed.prompt_bytes]}),
                 ex=keys.CONVERSATION_TTL_S,
             )
     res = pipe.execute()
@@ -265,8 +260,10 @@ def route(
     *,
     caller: Principal = ANONYMOUS,
     deadline_at: float = 0.0,
+    candidates: Mapping[str, Entry] | None = None,
 ) -> Routed:
-    """The candidate for a request of ``caller`` (already admitted against its quotas)."""
+    """The candidate for a request of ``caller`` (already admitted against its quotas);
+    ``candidates``: the policy's registry entries, when the caller read them already."""
     try:
         policy = policies.Policy.model_validate(entry.spec)
     except ValueError as e:
@@ -281,8 +278,8 @@ def route(
         caller=caller,
         deadline_at=deadline_at,
     )
-    routed = choose(st, s, entry.name, policy, decision, body, caller=caller)
-    record(st, entry.name, routed, body, subject=caller.subject)
+    routed = choose(st, s, entry.name, policy, decision, body, caller=caller, candidates=candidates)
+    record(st, entry.name, routed, subject=caller.subject)
     return routed
 
 

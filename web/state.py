@@ -187,6 +187,12 @@ class State:
         entry = self._entry(model, raw) if raw else None
         return view, entry, PolicyEntry.loads(model, raw_policy) if raw_policy else None
 
+    def entries(self, names: list[str]) -> dict[str, Entry]:
+        """The registry entries of ``names`` that are registered, in one round trip (parsed
+        through the same cache as ``lookup``'s)."""
+        raws = self.r.hmget(keys.registry(), names) if names else []
+        return {n: self._entry(n, str(raw)) for n, raw in zip(names, raws, strict=True) if raw}
+
     def _entry(self, model: str, raw: str) -> Entry:
         entry = self._entries.get((model, raw))
         if entry is None:

@@ -220,10 +220,10 @@ class ModelProcess:
         # with the state: a stop unblocks it from inside, an eviction from the coordinator.
         self.waker = Waker(self.r, self.stop)
         reader = self.retrying("open the queue connection", self.waker.client_id)
-        # Who caused this load (recorded when it started): its time is charged to them. And
-        # when the coordinator started it: what a client waiting for this load waits includes
-        # the process's spawn, which ``seconds`` does not.
-        # And the load time measured before for this spec, which this one is folded into.
+        # Who caused this load (recorded when it started): its time is charged to them; when
+        # the coordinator started it (a client waiting for this load waits for the process's
+        # spawn too, which ``seconds`` leaves out); and the spec's load time measured so far,
+        # which this load is folded into.
         pipe = self.r.pipeline(transaction=False)
         pipe.hmget(keys.model(self.model), ["load_user", "load_key", "loading_since"])
         pipe.hmget(keys.footprint(self.model), ["load_s", "load_spec"])

@@ -75,9 +75,10 @@ def _needs(
 
 
 def _load_s(spec: ModelSpec, kinds: dict[str, str], measured: dict[str, str]) -> dict[str, float]:
-    """The measured seconds of its last committed load (``keys.footprint`` fields ``load_s`` and
-    ``load_spec``), on the device kind whose digest that load had: like its bytes
-    (``ledger.expected``), a load of another spec says nothing about the next one."""
+    """Its spec's measured load time (``keys.footprint`` fields ``load_s``, a moving average
+    over the spec's committed loads, and ``load_spec``), on the device kind whose digest those
+    loads had: like its bytes (``ledger.expected``), a load of another spec says nothing about
+    the next one."""
     spec_digest = measured.get("load_spec")
     try:
         seconds = float(measured.get("load_s") or "")
