@@ -101,7 +101,9 @@ class Service:
         y, x, xx, xy = self.first_s, self.new_bytes, self.bytes_sq, self.bytes_first
         if y is None or x is None or xx is None or xy is None:
             return 0.0
-        through_zero = y / x if x > 0 else 0.0
+        # Under one byte on average (prompts cached whole) there is no pace per byte to read:
+        # a division by next to nothing would give inf, and inf x 0 a NaN wait.
+        through_zero = y / x if x >= 1.0 else 0.0
         var = xx - x * x
         if var > max(1.0, 1e-6 * xx):
             # A line with a fixed part >= 0 has a slope of at most the average pace through
